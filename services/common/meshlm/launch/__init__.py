@@ -1,0 +1,1 @@
+"""meshlm.launch: the `meshlm` command line (imports heavy components lazily)."""

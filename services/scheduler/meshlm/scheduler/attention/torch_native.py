@@ -1,0 +1,107 @@
+"""A torch-only attention backend (CPU and CUDA) over the paged KV pool.
+
+EXTEND: one SDPA call per request. Query token a of request i (absolute position
+prefix_i + a) may see cache positions 0 .. prefix_i + a, i.e. a causal mask aligned to the
+bottom-right corner of the [extend_len, seq_len] score matrix. A request without a cached
+prefix attends over its fresh k/v directly (no gather).
+
+DECODE: one batched SDPA call. Cache positions of all requests are gathered into a padded
+[B, L_max] index matrix (built once per forward in init_forward_metadata); a key mask hides
+positions >= seq_len_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from meshlm.scheduler.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.layers.radix_attention import RadixAttention
+    from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass
+class _DecodeMeta:
+    kv_idx: torch.Tensor  # [B, L_max] KV slots, padded with slot 0
+    key_mask: torch.Tensor  # [B, 1, 1, L_max] True where a key may be attended
+
+
+@dataclass
+class _ExtendMeta:
+    kv_idx: list[torch.Tensor]  # per request, [seq_len_i] KV slots (only when prefix_i > 0)
+    bounds: list[tuple[int, int]]  # per request, [start, end) rows of the packed batch
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        assert fb.req_to_token_pool is not None
+        table = fb.req_to_token_pool.req_to_token
+        if fb.forward_mode.is_decode():
+            max_len = max(fb.seq_lens_cpu)
+            kv_idx = table[fb.req_pool_indices, :max_len]
+            lens = fb.seq_lens.to(kv_idx.device)
+            mask = torch.arange(max_len, device=kv_idx.device)[None, :] < lens[:, None]
+            fb.attn_metadata = _DecodeMeta(kv_idx.masked_fill(~mask, 0), mask[:, None, None, :])
+            return
+        bounds, kv_idx, start = [], [], 0
+        rows = fb.req_pool_indices.tolist()
+        for row, pre, n in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            bounds.append((start, start + n))
+            kv_idx.append(table[row, : pre + n] if pre > 0 else torch.empty(0, dtype=torch.int64))
+            start += n
+        fb.attn_metadata = _ExtendMeta(kv_idx, bounds)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "RadixAttention",
+        fb: "ForwardBatch",
+    ) -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        assert pool is not None and fb.out_cache_loc is not None
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        gqa = layer.num_heads != layer.num_kv_heads
+        if fb.forward_mode.is_decode():
+            meta = fb.attn_metadata
+            assert isinstance(meta, _DecodeMeta)
+            keys = k_buf[meta.kv_idx].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            vals = v_buf[meta.kv_idx].transpose(1, 2).to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2),  # [B, H, 1, D]
+                keys,
+                vals,
+                attn_mask=meta.key_mask,
+                scale=layer.scaling,
+                enable_gqa=gqa,
+            )
+            return out.squeeze(2)
+        meta = fb.attn_metadata
+        assert isinstance(meta, _ExtendMeta)
+        out = torch.empty_like(q)
+        for (s, e), pre, kv_idx in zip(meta.bounds, fb.extend_prefix_lens_cpu, meta.kv_idx):
+            qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if pre == 0:
+                ki = k[s:e].transpose(0, 1).unsqueeze(0)
+                vi = v[s:e].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=gqa
+                )
+            else:
+                ki = k_buf[kv_idx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                vi = v_buf[kv_idx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                n, total = e - s, pre + (e - s)
+                # Query a sits at absolute position pre + a and sees keys 0 .. pre + a.
+                mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + pre)
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask.to(q.device), scale=layer.scaling, enable_gqa=gqa
+                )
+            out[s:e] = o.squeeze(0).transpose(0, 1)
+        return out

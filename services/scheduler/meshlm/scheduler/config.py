@@ -1,0 +1,105 @@
+"""SchedulerConfig: the engine's flags (SGLang's ServerArgs subset), frozen after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Every field is a CLI flag (`--model-path` style, underscores become dashes).
+
+    Sizes left as None are derived at start-up from the model and the memory budget.
+    """
+
+    model_path: Optional[str] = None  # HF dir or .gguf; None = the packaged SmolLM2-135M-Instruct
+    tokenizer_path: Optional[str] = None  # defaults to model_path
+    dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's dtype on CUDA
+    device: str = "auto"  # auto = cuda if available else cpu
+    context_length: Optional[int] = None
+    page_size: int = 1
+    max_total_tokens: Optional[int] = None  # KV pool size in tokens
+    kv_cache_memory_gb: Optional[float] = None  # KV budget; CPU default 2 GiB
+    mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
+    max_running_requests: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 4096  # -1 disables chunking
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    stream_interval: int = 1
+    max_queued_requests: Optional[int] = None
+    attention_backend: str = "torch_native"
+    random_seed: Optional[int] = None
+    tp_size: int = 1
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        need(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
+        need(
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
+            f"chunked_prefill_size must be -1 or >= page_size ({self.page_size}), got {self.chunked_prefill_size}",
+        )
+        need(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
+        need(self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+        need(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        if self.max_total_tokens is not None:
+            need(self.max_total_tokens >= 16, f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.max_running_requests is not None:
+            need(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+
+    def replace(self, **changes: Any) -> "SchedulerConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- CLI ------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field, defaults and help taken from the dataclass."""
+        helps = {
+            "model_path": "HF-format model directory or .gguf file (default: packaged SmolLM2-135M-Instruct)",
+            "tokenizer_path": "tokenizer directory (default: the model's)",
+            "dtype": "auto | float32 | bfloat16 | float16",
+            "device": "auto | cpu | cuda",
+            "context_length": "override the model's context length",
+            "page_size": "tokens per KV page",
+            "max_total_tokens": "KV pool size in tokens (default: from the memory budget)",
+            "kv_cache_memory_gb": "KV budget in GiB (CPU default 2)",
+            "mem_fraction_static": "CUDA: fraction of free GPU memory for weights + KV",
+            "max_running_requests": "most requests decoding at once",
+            "max_prefill_tokens": "token budget of one prefill batch",
+            "chunked_prefill_size": "tokens per prefill chunk (-1 disables chunking)",
+            "schedule_policy": f"waiting-queue order: {' | '.join(POLICIES)}",
+            "schedule_conservativeness": "scales the reserve kept for future decode tokens",
+            "disable_radix_cache": "do not reuse KV of shared prefixes",
+            "stream_interval": "emit streamed outputs every N tokens",
+            "max_queued_requests": "reject new requests when this many wait (RESOURCE_EXHAUSTED)",
+            "attention_backend": "attention implementation: torch_native",
+            "random_seed": "seed of the global sampler RNG",
+            "tp_size": "tensor-parallel size (ranks in this scheduler's pod)",
+            "load_progress": "show a progress bar while loading weights",
+        }
+        for f in fields(SchedulerConfig):
+            flags = ["--" + f.name.replace("_", "-")] + (["--model"] if f.name == "model_path" else [])
+            if f.type in ("bool", bool):
+                parser.add_argument(
+                    *flags, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name]
+                )
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+            text = helps[f.name] if f.default is None else f"{helps[f.name]} (default: {f.default})"
+            parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=text)
+
+    @staticmethod
+    def from_cli_args(ns: argparse.Namespace) -> "SchedulerConfig":
+        return SchedulerConfig(**{f.name: getattr(ns, f.name) for f in fields(SchedulerConfig)})

@@ -1,0 +1,304 @@
+"""Engine: the scheduler loop in a background thread, driven in-process through its port.
+
+Used by the scheduler service, the tests and the benchmarks. Requests go in as
+TokenizedGenerateReqInput; BatchTokenIDOut deltas come back on the loop thread and are routed
+to each request's asyncio queue. Text is produced here with an incremental decode that holds
+back an incomplete UTF-8 character (trailing U+FFFD) and trims a matched stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.managers.io_struct import (
+    AbortReq,
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    FlushCacheOutput,
+    FlushCacheReq,
+    GetLoadReq,
+    LoadReport,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
+from meshlm.scheduler.managers.port import SchedulerPort
+from meshlm.scheduler.managers.scheduler import Scheduler
+from meshlm.scheduler.model_config import ModelConfig
+from meshlm.scheduler.model_loader import resolve_model_path
+from meshlm.scheduler.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request ended with an error (bad input: 400, overload: 503, abort: 499, ...)."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+
+@dataclass
+class _ReqState:
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[dict[str, Any]]"
+    sampling_params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # text already yielded
+
+
+class Engine:
+    """In-process engine. Construct once; call generate/encode from any asyncio loop, or the
+    *_sync helpers from plain code. `shutdown()` stops the loop thread."""
+
+    def __init__(self, config: Optional[SchedulerConfig] = None, **overrides: Any) -> None:
+        config = (config or SchedulerConfig()).replace(**overrides) if overrides else (config or SchedulerConfig())
+        path = resolve_model_path(config.model_path)
+        self.model_config = ModelConfig.from_path(path, config.context_length)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer_path or path))
+        self.config = config.replace(model_path=str(path))
+        self._states: dict[str, _ReqState] = {}
+        self._controls: "list[concurrent.futures.Future[Any]]" = []
+        self._lock = threading.Lock()
+        self.port = SchedulerPort(self._on_output, self._on_control)
+        self.scheduler = Scheduler(self.config, self.model_config, self.tokenizer, self.port)
+        self._thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)
+        self._ids = itertools.count()
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.scheduler.event_loop_normal()
+        except Exception:  # a loop crash must fail every waiter, never hang them
+            logger.exception("scheduler loop crashed")
+            with self._lock:
+                states = list(self._states.items())
+            for rid, st in states:
+                st.loop.call_soon_threadsafe(
+                    st.queue.put_nowait, {"error": RequestError("scheduler loop crashed", 500)}
+                )
+            raise
+
+    # ---- loop-thread callbacks ------------------------------------------------------------
+    def _on_output(self, msg: Any) -> None:
+        if isinstance(msg, BatchTokenIDOut):
+            for i, rid in enumerate(msg.rids):
+                self._deliver(rid, {"kind": "tokens", "msg": msg, "i": i})
+        elif isinstance(msg, BatchEmbeddingOut):
+            for i, rid in enumerate(msg.rids):
+                self._deliver(rid, {"kind": "embedding", "msg": msg, "i": i})
+
+    def _deliver(self, rid: str, item: dict[str, Any]) -> None:
+        with self._lock:
+            st = self._states.get(rid)
+        if st is not None:
+            st.loop.call_soon_threadsafe(st.queue.put_nowait, item)
+
+    def _on_control(self, msg: Any) -> None:
+        with self._lock:
+            fut = self._controls.pop(0) if self._controls else None
+        if fut is not None:
+            fut.set_result(msg)
+
+    # ---- public API -----------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _register(self, rid: Optional[str], sp: SamplingParams) -> tuple[str, _ReqState]:
+        rid = rid or uuid.uuid4().hex
+        st = _ReqState(asyncio.get_running_loop(), asyncio.Queue(), sp)
+        with self._lock:
+            if rid in self._states:
+                raise RequestError(f"duplicate request id {rid!r}")
+            self._states[rid] = st
+        return rid, st
+
+    def _unregister(self, rid: str) -> None:
+        with self._lock:
+            self._states.pop(rid, None)
+
+    async def generate_stream(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        input_ids: Optional[Sequence[int]] = None,
+        sampling_params: Optional[dict[str, Any] | SamplingParams] = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: Optional[list[int]] = None,
+        rid: Optional[str] = None,
+        stream: bool = True,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield deltas {"text", "output_ids", "meta_info", "finished"}; the last has finished=True.
+
+        Raises RequestError when the scheduler rejects or aborts the request. Cancelling the
+        consumer (e.g. the caller went away) aborts the request and frees its KV."""
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("exactly one of prompt (text) and input_ids must be given")
+        if isinstance(sampling_params, SamplingParams):
+            sp = sampling_params
+        else:
+            try:
+                sp = SamplingParams.from_dict(dict(sampling_params or {}))
+            except (TypeError, ValueError) as e:
+                raise RequestError(str(e)) from None
+        ids = list(input_ids) if input_ids is not None else self.tokenize(prompt or "")
+        rid, st = self._register(rid, sp)
+        self.port.put(
+            TokenizedGenerateReqInput(
+                rid=rid, input_ids=ids, sampling_params=sp, input_text=prompt,
+                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob, stream=stream,
+            )
+        )
+        finished = False
+        try:
+            while not finished:
+                item = await st.queue.get()
+                if "error" in item:
+                    raise item["error"]
+                delta = self._token_delta(rid, st, item["msg"], item["i"])
+                finished = delta["finished"]
+                yield delta
+        finally:
+            self._unregister(rid)
+            if not finished:
+                self.port.put(AbortReq(rid=rid))
+
+    def _token_delta(self, rid: str, st: _ReqState, msg: BatchTokenIDOut, i: int) -> dict[str, Any]:
+        reason = msg.finished_reasons[i]
+        if reason is not None and reason.get("type") == "abort":
+            raise RequestError(reason.get("message", "aborted"), int(reason.get("status_code", 500)))
+        new_ids = msg.output_ids[i]
+        st.output_ids.extend(new_ids)
+        sp = st.sampling_params
+        ids = st.output_ids
+        if reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
+            ids = ids[:-1]  # a matched stop token is not part of the text
+        full = self.tokenizer.decode(
+            ids, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        ) if ids else ""
+        if reason is None:
+            full = full.rstrip("\ufffd")  # hold back an incomplete UTF-8 character
+        elif reason.get("type") == "stop" and isinstance(reason.get("matched"), str) and not sp.no_stop_trim:
+            pos = full.find(reason["matched"], max(len(st.text) - len(reason["matched"]), 0))
+            if pos >= 0:
+                full = full[:pos]
+        text = full[len(st.text):] if full.startswith(st.text) else ""
+        st.text = st.text + text
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": reason,
+            "prompt_tokens": msg.prompt_tokens[i],
+            "completion_tokens": msg.completion_tokens[i],
+            "cached_tokens": msg.cached_tokens[i],
+        }
+        if msg.input_token_logprobs[i] or msg.output_token_logprobs[i]:
+            meta["input_token_logprobs"] = list(zip(msg.input_token_logprobs[i], msg.input_token_ids[i]))
+            meta["output_token_logprobs"] = list(zip(msg.output_token_logprobs[i], new_ids))
+            meta["input_top_logprobs"] = msg.input_top_logprobs[i]
+            meta["output_top_logprobs"] = msg.output_top_logprobs[i]
+            meta["input_token_ids_logprobs"] = msg.input_token_ids_logprobs[i]
+            meta["output_token_ids_logprobs"] = msg.output_token_ids_logprobs[i]
+        return {"text": text, "output_ids": list(new_ids), "meta_info": meta, "finished": reason is not None}
+
+    async def generate(self, prompt: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+        """Run one request to the end: {"text", "output_ids", "meta_info"} with logprob lists
+        accumulated over all deltas."""
+        text, ids = "", []
+        meta: dict[str, Any] = {}
+        lists = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                 "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+        kwargs.setdefault("stream", False)
+        async for d in self.generate_stream(prompt, **kwargs):
+            text += d["text"]
+            ids += d["output_ids"]
+            for k, v in d["meta_info"].items():
+                if k in lists:
+                    meta.setdefault(k, []).extend(v)
+                else:
+                    meta[k] = v
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    async def encode(
+        self, prompt: Optional[str] = None, *, input_ids: Optional[Sequence[int]] = None, rid: Optional[str] = None
+    ) -> dict[str, Any]:
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("exactly one of prompt (text) and input_ids must be given")
+        ids = list(input_ids) if input_ids is not None else self.tokenize(prompt or "")
+        rid, st = self._register(rid, SamplingParams(max_new_tokens=0))
+        self.port.put(TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, input_text=prompt))
+        try:
+            item = await st.queue.get()
+        finally:
+            self._unregister(rid)
+        if "error" in item:
+            raise item["error"]
+        msg, i = item["msg"], item["i"]
+        reason = msg.finished_reasons[i]
+        if reason is not None and reason.get("type") == "abort":
+            raise RequestError(reason.get("message", "aborted"), int(reason.get("status_code", 500)))
+        return {"embedding": msg.embeddings[i], "meta_info": {"id": rid, "prompt_tokens": msg.prompt_tokens[i]}}
+
+    # ---- control --------------------------------------------------------------------------
+    def _control(self, msg: Any, timeout: float = 30.0) -> Any:
+        fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        with self._lock:
+            self._controls.append(fut)
+        self.port.put(msg)
+        return fut.result(timeout=timeout)
+
+    def flush_cache(self) -> FlushCacheOutput:
+        return self._control(FlushCacheReq())
+
+    def get_load(self) -> LoadReport:
+        return self._control(GetLoadReq())
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self.port.put(AbortReq(rid=rid, abort_all=abort_all))
+
+    # ---- sync helpers ---------------------------------------------------------------------
+    def generate_batch_sync(self, requests: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Submit every request at once (continuous batching) and wait for all results.
+        Each item holds generate()'s keyword arguments (prompt or input_ids, ...)."""
+
+        async def run() -> list[dict[str, Any]]:
+            return list(await asyncio.gather(*(self.generate(**r) for r in requests)))
+
+        return asyncio.run(run())
+
+    def generate_sync(self, prompt: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+        return self.generate_batch_sync([{"prompt": prompt, **kwargs}])[0]
+
+    def encode_sync(self, prompts: Sequence[str]) -> list[list[float]]:
+        async def run() -> list[dict[str, Any]]:
+            return list(await asyncio.gather(*(self.encode(p) for p in prompts)))
+
+        return [r["embedding"] for r in asyncio.run(run())]
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

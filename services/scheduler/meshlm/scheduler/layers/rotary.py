@@ -1,0 +1,75 @@
+"""Rotary position embedding (neox / HF "rotate_half" layout) with optional rope scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, base: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    assert scaling is not None
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k given absolute positions.
+
+    cos/sin are cached for positions [0, max_position) in float32; a position beyond the cache
+    grows it (requests are validated against the context length before they get here).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", _inv_freq(head_dim, base, rope_scaling), persistent=False)
+        self._build(max_position)
+
+    def _build(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.to(torch.float32))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k), same dtypes."""
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            self._build(int(positions.max()) * 2)
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,45 @@
+"""SchedulerPort: the scheduler loop's only door to the outside (queue in, callbacks out).
+
+The in-process Engine and the gRPC servicer both drive the loop through a port: they put
+request messages in from any thread; the loop thread drains them and calls the output
+callbacks (which must be cheap and thread-safe, e.g. loop.call_soon_threadsafe).
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any, Callable
+
+OutputCallback = Callable[[Any], None]
+
+
+class SchedulerPort:
+    def __init__(self, on_output: OutputCallback, on_control: OutputCallback) -> None:
+        self._inbox: "queue.Queue[Any]" = queue.Queue()
+        self._on_output = on_output
+        self._on_control = on_control
+
+    # called by producers (any thread)
+    def put(self, msg: Any) -> None:
+        self._inbox.put(msg)
+
+    # called by the loop thread
+    def recv_requests(self, block: bool, timeout: float = 0.05) -> list[Any]:
+        """Everything queued now; when `block`, wait up to `timeout` for the first message."""
+        msgs: list[Any] = []
+        if block:
+            try:
+                msgs.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                return msgs
+        while True:
+            try:
+                msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return msgs
+
+    def send_output(self, msg: Any) -> None:
+        self._on_output(msg)
+
+    def send_control(self, msg: Any) -> None:
+        self._on_control(msg)

@@ -1,0 +1,207 @@
+"""ScheduleBatch: a set of requests scheduled together, and the memory bookkeeping of a step.
+
+A request's KV positions 0 .. seqlen-2 are in the cache between steps; the newest output
+token is the input of the next decode. Ownership of those slots:
+
+    [0, cache_protected_len)        owned by the radix tree, locked through req.last_node
+    [cache_protected_len, seqlen-1) owned by the request; freed or inserted when it ends
+
+cache_protected_len is page-aligned, so a request's own slots start on a fresh page.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from meshlm.scheduler.managers.req import Req
+from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from meshlm.scheduler.sampling.sampling_batch_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
+    from meshlm.scheduler.mem_cache.memory_pool import ReqToTokenPool
+
+
+class OutOfKVMemory(RuntimeError):
+    """Raised when a step cannot get KV slots even after evicting the whole cache."""
+
+
+class ScheduleBatch:
+    def __init__(
+        self,
+        reqs: list[Req],
+        req_to_token_pool: "ReqToTokenPool",
+        allocator: "TokenToKVPoolAllocator",
+        tree_cache: object,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.vocab_size = vocab_size
+        self.device = device
+        self.forward_mode = ForwardMode.IDLE
+        self.sampling_info: Optional[SamplingBatchInfo] = None
+        # Requests of an EXTEND batch that sample this step (a non-final chunk does not).
+        self.sampling_reqs: list[Req] = []
+        # The forward prepared by prepare_for_extend / prepare_for_decode, run next.
+        self.pending_fb: Optional[ForwardBatch] = None
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    # ---- memory ---------------------------------------------------------------------------
+    def _evict_for(self, num_tokens: int) -> None:
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)  # type: ignore[attr-defined]
+
+    def _alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_loc: list[int]) -> torch.Tensor:
+        page = self.allocator.page_size
+        # Upper bound on slots: every request may need one extra partial page.
+        need = sum(s - p for p, s in zip(prefix_lens, seq_lens)) + len(seq_lens) * page
+        self._evict_for(need)
+        out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_loc, sum(seq_lens) - sum(prefix_lens))
+        if out is None:
+            raise OutOfKVMemory(f"cannot allocate {need} KV slots for a prefill")
+        return out
+
+    # ---- EXTEND ---------------------------------------------------------------------------
+    def prepare_for_extend(self, embed: bool = False) -> ForwardBatch:
+        """Allocate request rows and KV slots for each request's extend segment."""
+        self.forward_mode = ForwardMode.EMBED if embed else ForwardMode.EXTEND
+        table = self.req_to_token_pool.req_to_token
+        for req in self.reqs:
+            if req.req_pool_idx is None:
+                rows = self.req_to_token_pool.alloc(1)
+                if rows is None:
+                    raise OutOfKVMemory("no free request slot")
+                req.req_pool_idx = rows[0]
+        prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        seq_lens = [len(r.fill_ids) for r in self.reqs]
+        last_loc = [
+            int(table[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)
+        ]
+        out_cache_loc = self._alloc_extend(prefix_lens, seq_lens, last_loc)
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        start = 0
+        for req, pre, seq in zip(self.reqs, prefix_lens, seq_lens):
+            n = seq - pre
+            if pre:
+                table[req.req_pool_idx, :pre] = req.prefix_indices
+            table[req.req_pool_idx, pre:seq] = out_cache_loc[start : start + n]
+            input_ids.extend(req.fill_ids[pre:seq])
+            positions.extend(range(pre, seq))
+            start += n
+
+        self.sampling_reqs = [r for r in self.reqs if not r.is_chunked]
+        self.sampling_info = SamplingBatchInfo.from_reqs(self.sampling_reqs, self.vocab_size, self.device)
+        logprob_starts = [self._input_logprob_start(r, p, s) for r, p, s in zip(self.reqs, prefix_lens, seq_lens)]
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            batch_size=len(self.reqs),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=self.device),
+            out_cache_loc=out_cache_loc.to(self.device),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=[s - p for p, s in zip(prefix_lens, seq_lens)],
+            req_to_token_pool=self.req_to_token_pool,
+            return_logprob=any(n < s - p for n, p, s in zip(logprob_starts, prefix_lens, seq_lens)),
+            extend_logprob_start_lens_cpu=logprob_starts,
+        )
+
+    @staticmethod
+    def _input_logprob_start(req: Req, pre: int, seq: int) -> int:
+        """First row of this extend segment whose logits give an input logprob, or the
+        segment length when none does. Row j (absolute position pre+j) predicts token pre+j+1;
+        input logprobs cover prompt tokens logprob_start_len .. len(prompt)-1."""
+        n = seq - pre
+        if not req.return_logprob or req.input_logprobs_done:
+            return n
+        first = max(req.logprob_start_len - 1, 0) - pre
+        return max(first, 0) if first < n else n
+
+    # ---- DECODE ---------------------------------------------------------------------------
+    def new_decode_tokens_needed(self) -> int:
+        """KV slots the next decode step must find: a fresh page for each request whose new
+        token (position seqlen-1) starts a page."""
+        page = self.allocator.page_size
+        return sum(page for r in self.reqs if (r.seqlen - 1) % page == 0)
+
+    def check_decode_mem(self) -> bool:
+        need = self.new_decode_tokens_needed()
+        self._evict_for(need)
+        return self.allocator.available_size() >= need
+
+    def prepare_for_decode(self) -> ForwardBatch:
+        self.forward_mode = ForwardMode.DECODE
+        table = self.req_to_token_pool.req_to_token
+        seq_lens = [r.seqlen for r in self.reqs]
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        last_loc = table[rows, lens - 2]  # slot of position seqlen-2, the last cached token
+        out = self.allocator.alloc_decode(seq_lens, last_loc.tolist())
+        if out is None:
+            raise OutOfKVMemory("decode step found no KV slots (check_decode_mem must run first)")
+        table[rows, lens - 1] = out
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=len(self.reqs),
+            input_ids=torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64, device=self.device),
+            positions=(lens - 1).to(self.device),
+            seq_lens=lens.to(self.device),
+            req_pool_indices=rows.to(self.device),
+            out_cache_loc=out.to(self.device),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=[s - 1 for s in seq_lens],
+            extend_seq_lens_cpu=[1] * len(seq_lens),
+            req_to_token_pool=self.req_to_token_pool,
+        )
+
+    # ---- composition ----------------------------------------------------------------------
+    def filter_batch(self, keep: list[int]) -> None:
+        """Keep only self.reqs[i] for i in keep (in order); sampling rows follow."""
+        if len(keep) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep]
+        if self.sampling_info is not None:
+            self.sampling_info.filter_batch(keep)
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        """Append the sampling requests of a finished prefill batch to this running batch."""
+        if not other.sampling_reqs:
+            return
+        assert other.sampling_info is not None
+        if self.sampling_info is None or not self.reqs:
+            self.sampling_info = other.sampling_info
+        else:
+            self.sampling_info.merge_batch(other.sampling_info)
+        self.reqs = self.reqs + other.sampling_reqs
+
+    def release_req(self, req: Req) -> None:
+        """Free a request's own KV slots and row, unlock its prefix (used by retract/abort).
+
+        Slots [cache_protected_len, seqlen-1) belong to the request (see module doc)."""
+        assert req.req_pool_idx is not None
+        kv_len = len(req.fill_ids) if req.is_chunked else req.seqlen - 1
+        kv_len = max(kv_len, len(req.prefix_indices))
+        protected = req.cache_protected_len
+        owned = self.req_to_token_pool.req_to_token[req.req_pool_idx, protected:kv_len]
+        if owned.numel():
+            self.allocator.free(owned.clone())
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)  # type: ignore[attr-defined]
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_for_retract()

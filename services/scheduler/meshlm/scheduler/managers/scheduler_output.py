@@ -1,0 +1,199 @@
+"""SchedulerOutputMixin: turn a finished forward into request state and outgoing deltas
+(SGLang's scheduler_output_processor_mixin): append tokens, logprobs, stop checks, caching,
+and one BatchTokenIDOut per step holding every emitting request's delta."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from meshlm.scheduler.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut
+from meshlm.scheduler.managers.req import (
+    FinishLength,
+    FinishMatchedStr,
+    FinishMatchedToken,
+    Req,
+)
+from meshlm.scheduler.sampling.sampler import compute_logprobs
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
+    from meshlm.scheduler.managers.tp_worker import GenerationBatchResult
+    from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
+
+FORCE_STREAM_INTERVAL = 50  # non-streaming requests still emit this often (detokenizer pace)
+
+
+class SchedulerOutputMixin:
+    tokenizer: Any
+    tree_cache: Any
+    port: Any
+    config: Any
+    model_config: Any
+    chunked_req: Any
+
+    # ---- results --------------------------------------------------------------------------
+    def process_batch_result_prefill(
+        self, batch: "ScheduleBatch", fb: "ForwardBatch", result: "GenerationBatchResult"
+    ) -> None:
+        if fb.return_logprob:
+            self._add_input_logprobs(batch, fb, result)
+        j = 0
+        for req in batch.reqs:
+            if req.is_chunked:  # a non-final chunk: cache what was computed, sample nothing
+                self.tree_cache.cache_unfinished_req(req, chunked=True)
+                continue
+            req.input_logprobs_done = True
+            if req.finished():  # aborted while its prefill ran
+                j += 1
+                continue
+            self._append_token(req, result, j)
+            j += 1
+            self.check_finished(req)
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            else:
+                # Make the prompt's KV shareable with requests arriving meanwhile.
+                self.tree_cache.cache_unfinished_req(req)
+        self.stream_output([r for r in batch.reqs if not r.is_chunked])
+
+    def process_batch_result_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+        for j, req in enumerate(batch.reqs):
+            if req.finished():
+                continue
+            self._append_token(req, result, j)
+            self.check_finished(req)
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+        self.stream_output(batch.reqs)
+
+    def process_batch_result_embedding(self, batch: "ScheduleBatch", embeddings: torch.Tensor) -> None:
+        out = BatchEmbeddingOut()
+        rows = embeddings.float().cpu().tolist()
+        for req, emb in zip(batch.reqs, rows):
+            req.embedding = emb
+            req.finished_reason = FinishLength(0)
+            # Embedding KV is not reusable (encoders) and not worth caching: release it all.
+            self.tree_cache.release_req(req, len(req.fill_ids))
+            out.rids.append(req.rid)
+            out.embeddings.append(emb)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.cached_tokens.append(0)
+            out.finished_reasons.append(req.finished_reason.to_json())
+        self.port.send_output(out)
+
+    def _append_token(self, req: Req, result: "GenerationBatchResult", j: int) -> None:
+        sample = result.sample
+        assert sample is not None
+        req.output_ids.append(int(sample.next_token_ids[j]))
+        if not req.return_logprob:
+            return
+        if sample.next_token_logprobs is not None:
+            req.output_token_logprobs.append(float(sample.next_token_logprobs[j]))
+        if req.top_logprobs_num > 0 and sample.top_logprobs is not None:
+            req.output_top_logprobs.append(sample.top_logprobs[j])
+        if req.token_ids_logprob is not None and sample.token_ids_logprobs is not None:
+            req.output_token_ids_logprobs.append(sample.token_ids_logprobs[j] or [])
+
+    def _add_input_logprobs(self, batch: "ScheduleBatch", fb: "ForwardBatch", result: "GenerationBatchResult") -> None:
+        """Input logprobs of this extend segment. Row j of segment i (absolute position
+        pre+j) predicts fill token pre+j+1; rows [start, n-1) come from input_logits, and a
+        non-final chunk's last row (next_token_logits[i]) predicts the next chunk's first token."""
+        out = result.logits_output
+        offset = 0
+        for i, req in enumerate(batch.reqs):
+            pre, n = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
+            start = fb.extend_logprob_start_lens_cpu[i]
+            if start >= n:
+                continue
+            k = n - 1 - start
+            parts = []
+            if k > 0:
+                assert out.input_logits is not None
+                parts.append(out.input_logits[offset : offset + k])
+                offset += k
+            targets = req.fill_ids[pre + start + 1 : pre + n]
+            if req.is_chunked:
+                parts.append(out.next_token_logits[i : i + 1])
+                targets = targets + [req.origin_input_ids[pre + n]]
+            if not parts:
+                continue
+            if not req.input_token_logprobs and req.logprob_start_len == 0:
+                req.input_token_logprobs.append(None)  # type: ignore[arg-type]
+            lp = compute_logprobs(
+                torch.cat(parts),
+                torch.tensor(targets, dtype=torch.int64, device=parts[0].device),
+                [req.top_logprobs_num] * len(targets) if req.top_logprobs_num else None,
+                [req.token_ids_logprob] * len(targets) if req.token_ids_logprob is not None else None,
+            )
+            assert lp.token_logprobs is not None
+            req.input_token_logprobs.extend(lp.token_logprobs.tolist())
+            if lp.top_logprobs is not None:
+                req.input_top_logprobs.extend(lp.top_logprobs)
+            if lp.token_ids_logprobs is not None:
+                req.input_token_ids_logprobs.extend(x or [] for x in lp.token_ids_logprobs)
+
+    # ---- stop conditions ------------------------------------------------------------------
+    def check_finished(self, req: Req) -> None:
+        if req.finished():
+            return
+        sp = req.sampling_params
+        last = req.output_ids[-1]
+        if len(req.output_ids) >= sp.min_new_tokens and last in req.stop_token_ids:
+            req.finished_reason = FinishMatchedToken(last)
+        elif sp.stop_strs and self.tokenizer is not None:
+            tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
+            for stop in sp.stop_strs:
+                if stop in tail:
+                    req.finished_reason = FinishMatchedStr(stop)
+                    break
+        if req.finished_reason is None and len(req.output_ids) >= (sp.max_new_tokens or 0):
+            req.finished_reason = FinishLength(len(req.output_ids))
+
+    # ---- outputs --------------------------------------------------------------------------
+    def _should_emit(self, req: Req) -> bool:
+        if req.finished():
+            return True
+        n = len(req.output_ids)
+        if req.stream:
+            interval = req.sampling_params.stream_interval or self.config.stream_interval
+            return n == 1 or n - req.send_token_offset >= interval
+        return n % FORCE_STREAM_INTERVAL == 0
+
+    def stream_output(self, reqs: list[Req]) -> None:
+        out = BatchTokenIDOut()
+        for req in reqs:
+            if not self._should_emit(req):
+                continue
+            out.rids.append(req.rid)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
+            out.output_ids.append(req.output_ids[req.send_token_offset :])
+            req.send_token_offset = len(req.output_ids)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            out.retraction_counts.append(req.retraction_count)
+            self._emit_logprobs(req, out)
+        if out.rids:
+            self.port.send_output(out)
+
+    @staticmethod
+    def _emit_logprobs(req: Req, out: BatchTokenIDOut) -> None:
+        if req.return_logprob and req.input_logprobs_done and not req.input_logprobs_sent:
+            req.input_logprobs_sent = True
+            start = req.logprob_start_len
+            out.input_token_logprobs.append(list(req.input_token_logprobs))
+            out.input_token_ids.append(req.origin_input_ids[start:])
+            out.input_top_logprobs.append(list(req.input_top_logprobs))
+            out.input_token_ids_logprobs.append(list(req.input_token_ids_logprobs))
+        else:
+            out.input_token_logprobs.append([])
+            out.input_token_ids.append([])
+            out.input_top_logprobs.append([])
+            out.input_token_ids_logprobs.append([])
+        k = req.send_logprob_offset
+        out.output_token_logprobs.append(req.output_token_logprobs[k:])
+        out.output_top_logprobs.append(req.output_top_logprobs[k:])
+        out.output_token_ids_logprobs.append(req.output_token_ids_logprobs[k:])
+        req.send_logprob_offset = len(req.output_token_logprobs)

@@ -1,0 +1,121 @@
+"""ModelRunner: owns the model weights, the KV pools and the attention backend; runs forwards.
+
+Sizing (done once at start-up):
+    max_total_num_tokens = --max-total-tokens, or KV budget // bytes per token, where the budget
+    is --kv-cache-memory-gb (CPU default 2 GiB) or, on CUDA, mem_fraction_static of the free
+    memory left after loading the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from meshlm.scheduler.attention import create_backend
+from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.distributed import SINGLE, TpGroup
+from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
+from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
+from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from meshlm.scheduler.model_config import ModelConfig, parse_dtype
+from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
+from meshlm.scheduler.model_loader.weight_utils import iterate_weights
+from meshlm.scheduler.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_GB = 2.0
+DEFAULT_MAX_RUNNING = 256
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (fast and exact there); the checkpoint's dtype on CUDA."""
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cpu":
+        return torch.float32
+    return parse_dtype(str(model.hf.get("torch_dtype") or model.hf.get("dtype") or "bfloat16"))
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: SchedulerConfig, tp: TpGroup = SINGLE) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.tp = tp
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        if config.random_seed is not None:
+            torch.manual_seed(config.random_seed)
+        self.load_model()
+        self.init_memory_pool()
+        self.attn_backend = create_backend(config.attention_backend)
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        cls = get_model_class(self.model_config.architecture)
+        with torch.device(self.device):
+            if self.model_config.is_embedding:
+                self.model = cls(self.model_config.hf, self.dtype)
+            else:
+                self.model = cls(self.model_config, self.tp, self.dtype)
+        self.model.load_weights(iterate_weights(self.model_config.path, progress=self.config.load_progress))
+        self.model.eval()
+        logger.info(
+            "loaded %s (%s, %s) in %.1fs",
+            self.model_config.architecture, self.dtype, self.device, time.perf_counter() - t0,
+        )
+
+    def _kv_budget_bytes(self) -> int:
+        if self.config.kv_cache_memory_gb is not None:
+            return int(self.config.kv_cache_memory_gb * (1 << 30))
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            weights = total - free
+            return max(int(total * self.config.mem_fraction_static) - weights, 1 << 26)
+        return int(CPU_DEFAULT_KV_GB * (1 << 30))
+
+    def init_memory_pool(self) -> None:
+        cfg, mc = self.config, self.model_config
+        kv_heads = max(1, mc.num_key_value_heads // self.tp.size)
+        layers = 1 if mc.is_embedding else mc.num_hidden_layers
+        cell = MHATokenToKVPool.cell_size_bytes(kv_heads, mc.head_dim, layers, self.dtype)
+        total = cfg.max_total_tokens or self._kv_budget_bytes() // cell
+        total = total // cfg.page_size * cfg.page_size
+        self.max_total_num_tokens = total
+        max_running = cfg.max_running_requests or min(DEFAULT_MAX_RUNNING, max(total // 2, 1))
+        self.max_running_requests = max_running
+        self.req_to_token_pool = ReqToTokenPool(max_running, mc.context_len + 4, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            total, cfg.page_size, self.dtype, kv_heads, mc.head_dim, layers, self.device
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, cfg.page_size, self.device)
+        logger.info(
+            "KV pool: %d tokens (%.2f GiB), max_running_requests=%d, page_size=%d",
+            total, total * cell / (1 << 30), max_running, cfg.page_size,
+        )
+
+    def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput | torch.Tensor:
+        """Run the model on one batch: logits (generation) or pooled embeddings [B, H]."""
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        if not self.model_config.is_embedding:
+            self.attn_backend.init_forward_metadata(fb)
+        with torch.inference_mode():
+            return self.model(fb.input_ids, fb.positions, fb)
+
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def memory_report(self) -> dict[str, Optional[float]]:
+        return {"kv_pool_gib": self.token_to_kv_pool.mem_usage_bytes() / (1 << 30)}

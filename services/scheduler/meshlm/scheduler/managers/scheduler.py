@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, Optional
 
+import torch
+
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
@@ -87,10 +89,13 @@ class Scheduler(SchedulerOutputMixin):
 
     # ---- the loop -------------------------------------------------------------------------
     def event_loop_normal(self) -> None:
-        while not self._stop.is_set():
-            idle = self.last_batch is None and not self.waiting_queue and self.running_batch.is_empty()
-            self.process_input_requests(self.port.recv_requests(block=idle, timeout=0.05))
-            self.step()
+        """Run until stop(). The loop runs in inference mode (SGLang's DynamicGradMode): the
+        forward's logits are inference tensors that sampling and penalties modify in place."""
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                idle = self.last_batch is None and not self.waiting_queue and self.running_batch.is_empty()
+                self.process_input_requests(self.port.recv_requests(block=idle, timeout=0.05))
+                self.step()
 
     def step(self) -> Optional[ScheduleBatch]:
         """One iteration after input processing: schedule, run, process. Returns the batch run."""

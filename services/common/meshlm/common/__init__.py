@@ -1,0 +1,1 @@
+"""meshlm.common: code every service shares. Never imports torch."""

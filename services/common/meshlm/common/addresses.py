@@ -1,0 +1,37 @@
+"""Peer discovery by address lists (flags/env). In Kubernetes a headless service name resolves
+to one A record per pod; `resolve` re-reads DNS so replicas that come and go are followed."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+
+def parse_addresses(value: str | list[str] | None) -> list[str]:
+    """"a:1,b:2" or ["a:1", "b:2"] -> ["a:1", "b:2"]; each must be host:port."""
+    if not value:
+        return []
+    items = value if isinstance(value, list) else value.split(",")
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"address must be host:port, got {item!r}")
+        out.append(item)
+    return out
+
+
+async def resolve(address: str) -> list[str]:
+    """Every ip:port a host:port resolves to (one per pod behind a headless service).
+    Literal IPs and names that do not resolve come back unchanged."""
+    host, _, port = address.rpartition(":")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return [address]
+    ips = sorted({info[4][0] for info in infos})
+    if len(ips) <= 1:
+        return [address]
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]

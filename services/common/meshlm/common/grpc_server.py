@@ -1,0 +1,91 @@
+"""gRPC server bootstrap shared by every service: grpc.health.v1, server reflection, message
+size limits, and graceful drain on SIGTERM/SIGINT.
+
+Drain: health flips to NOT_SERVING (Kubernetes stops routing), the service's own `on_drain`
+hook runs (stop accepting, finish or abort in-flight work), then the server stops with a
+grace period and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable, Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+DrainHook = Callable[[], Awaitable[None]]
+
+
+class GrpcServer:
+    def __init__(
+        self,
+        service_names: Sequence[str],
+        host: str = "0.0.0.0",
+        port: int = 0,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.server = grpc.aio.server(
+            interceptors=list(interceptors),
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        names = self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.address = f"{host}:{port}"
+        self.port = 0
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        """Bind and start; returns the bound port (useful with port 0). Health: SERVING."""
+        self.port = self.server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind gRPC server to {self.address}")
+        await self.server.start()
+        await self.set_serving(True)
+        logger.info("gRPC %s listening on port %d", ",".join(self.service_names), self.port)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        for name in self.service_names:
+            await self.health.set(name, status)
+
+    async def drain(self, grace_s: float, on_drain: Optional[DrainHook] = None) -> None:
+        """NOT_SERVING, run the service's drain hook (bounded by grace_s), stop the server."""
+        await self.set_serving(False)
+        if on_drain is not None:
+            try:
+                await asyncio.wait_for(on_drain(), timeout=grace_s)
+            except asyncio.TimeoutError:
+                logger.warning("drain did not finish within %.1fs; stopping anyway", grace_s)
+        await self.server.stop(grace=min(grace_s, 5.0))
+        self._stopped.set()
+
+    async def serve_until_signal(self, grace_s: float, on_drain: Optional[DrainHook] = None) -> None:
+        """Run until SIGTERM/SIGINT (or stop()), then drain. Returns when stopped."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        waiter = asyncio.create_task(self.server.wait_for_termination())
+        signalled = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({waiter, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if signalled in done:
+            logger.info("signal received: draining (grace %.1fs)", grace_s)
+            await self.drain(grace_s, on_drain)
+        waiter.cancel()
+        signalled.cancel()

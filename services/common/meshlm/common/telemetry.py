@@ -1,0 +1,86 @@
+"""OpenTelemetry tracing shared by every service.
+
+`setup_telemetry(service, endpoint)` installs a tracer provider that exports spans over OTLP/gRPC
+when an endpoint is set (and records nothing otherwise). Trace context crosses our shared
+internal streams inside each message (TraceContext: W3C traceparent/tracestate), not in gRPC
+metadata, so `span(..., traceparent=...)` continues the request's trace in any service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACER_NAME = "meshlm"
+
+
+def setup_telemetry(service_name: str, otlp_endpoint: Optional[str]) -> None:
+    """Install the process's tracer provider (once, at start-up)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        endpoint = otlp_endpoint.removeprefix("http://").removeprefix("grpc://")
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True), schedule_delay_millis=200)
+        )
+    trace.set_tracer_provider(provider)
+
+
+def shutdown_telemetry() -> None:
+    """Flush pending spans (call before exit)."""
+    provider = trace.get_tracer_provider()
+    flush = getattr(provider, "force_flush", None)
+    if flush is not None:
+        flush(timeout_millis=3000)
+    stop = getattr(provider, "shutdown", None)
+    if stop is not None:
+        stop()
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(_TRACER_NAME)
+
+
+def context_from(traceparent: str, tracestate: str = "") -> otel_context.Context:
+    """An OTel context whose parent is the remote span named by a W3C traceparent."""
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return _PROPAGATOR.extract(carrier) if traceparent else otel_context.Context()
+
+
+def current_traceparent(span: Optional[trace.Span] = None) -> tuple[str, str]:
+    """(traceparent, tracestate) of `span` (default: the current span); ("", "") if none."""
+    carrier: dict[str, str] = {}
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier.get("traceparent", ""), carrier.get("tracestate", "")
+
+
+@contextlib.contextmanager
+def span(
+    name: str, traceparent: str = "", tracestate: str = "", attributes: Optional[dict[str, Any]] = None
+) -> Iterator[trace.Span]:
+    """A span that continues the trace named by traceparent (or the current one if empty)."""
+    parent = context_from(traceparent, tracestate) if traceparent else None
+    with tracer().start_as_current_span(name, context=parent, attributes=attributes or {}) as s:
+        yield s
+
+
+def start_span(
+    name: str, traceparent: str = "", tracestate: str = "", attributes: Optional[dict[str, Any]] = None,
+    start_time_ns: Optional[int] = None,
+) -> trace.Span:
+    """A span not bound to the current context (for work that outlives a call, e.g. a
+    request inside the scheduler loop); the caller ends it with span.end()."""
+    parent = context_from(traceparent, tracestate) if traceparent else None
+    return tracer().start_span(name, context=parent, attributes=attributes or {}, start_time=start_time_ns)

@@ -1,14 +1,20 @@
 """The `meshlm` command.
 
+    meshlm launch [flags] [engine flags]
+        Start gateway, tokenizer, scheduler and detokenizer as separate processes on loopback
+        (the HTTP API on --port, the public gRPC API on --grpc-port); Ctrl-C stops them all.
+    meshlm serve gateway|tokenizer|scheduler|detokenizer [flags]
+        Run one component in this process (the container entrypoint); `--help` lists its flags
+        (each also readable from MESHLM_<COMPONENT>_<FLAG> environment variables).
     meshlm generate [engine flags] --prompt TEXT [--prompt TEXT ...]
-        Load the model into an in-process engine and complete the prompts (chat-templated
-        unless --raw), printing each completion and the throughput.
+        Complete prompts with an in-process engine (no services), printing throughput.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from typing import Optional, Sequence
@@ -43,6 +49,73 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+COMPONENTS = ("gateway", "tokenizer", "scheduler", "detokenizer")
+
+
+def _engine_args(config: object) -> list[str]:
+    """Engine flags that differ from their defaults, as scheduler command-line arguments."""
+    import dataclasses
+
+    out: list[str] = []
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if f.name in ("model_path", "tokenizer_path") or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from meshlm.launch.launcher import LaunchPlan, launch
+    from meshlm.scheduler.config import SchedulerConfig
+    from meshlm.scheduler.model_loader import resolve_model_path
+
+    config = SchedulerConfig.from_cli_args(args)
+    model = resolve_model_path(config.model_path)
+    gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
+    plan = LaunchPlan(
+        model_path=str(model),
+        tokenizer_path=str(config.tokenizer_path or model),
+        host=args.host,
+        http_port=args.port,
+        grpc_port=args.grpc_port,
+        dp_size=args.dp_size,
+        tokenizer_replicas=args.tokenizer_replicas,
+        detokenizer_replicas=args.detokenizer_replicas,
+        scheduler_args=tuple(_engine_args(config)),
+        tokenizer_args=("--routing-policy", args.routing_policy),
+        gateway_args=tuple(gateway_args),
+        otlp_endpoint=args.otlp_endpoint,
+        log_level=args.log_level,
+    )
+    system = launch(plan)
+    print(f"meshlm is serving: HTTP {system.http_url}  gRPC {system.grpc_address}", flush=True)
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stop["now"] and any(c.proc and c.proc.poll() is None for c in system.children):
+            time.sleep(0.5)
+    finally:
+        system.stop()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"meshlm.{args.component}.__main__")
+    return int(module.main(args.component_args) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description="meshlm: LLM inference as gRPC services")
     parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
@@ -56,6 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     gen.set_defaults(func=_generate)
+
+    lau = sub.add_parser("launch", help="start all four services as processes on loopback")
+    lau.add_argument("--host", default="127.0.0.1", help="address every service binds (default: 127.0.0.1)")
+    lau.add_argument("--port", type=int, default=30000, help="HTTP port of the gateway (default: 30000)")
+    lau.add_argument("--grpc-port", type=int, default=30001, help="public gRPC port of tokenizer 0 (default: 30001)")
+    lau.add_argument("--dp-size", type=int, default=1, help="schedulers (data-parallel replicas) (default: 1)")
+    lau.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer processes (default: 1)")
+    lau.add_argument("--detokenizer-replicas", type=int, default=1, help="detokenizer processes (default: 1)")
+    lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")
+    lau.add_argument("--api-key", default=None, help="require this API key at the gateway")
+    lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
+    add_engine_flags(lau)
+    lau.set_defaults(func=_launch)
+
+    srv = sub.add_parser("serve", help="run one component (container entrypoint)", add_help=False)
+    srv.add_argument("component", choices=COMPONENTS, help="which component to run")
+    srv.add_argument("component_args", nargs=argparse.REMAINDER, help="the component's own flags (see --help)")
+    srv.set_defaults(func=_serve)
     return parser
 
 

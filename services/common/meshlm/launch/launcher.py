@@ -1,0 +1,189 @@
+"""Start the four services as separate processes on loopback (`meshlm launch`).
+
+Order: detokenizers, schedulers (they push to the detokenizers), tokenizers (they connect to
+schedulers and subscribe to detokenizers), then the gateway. Each process is a plain
+`python -m meshlm.<component>` with flags, exactly what a container would run. The launcher
+waits until every gRPC service reports SERVING and the gateway answers /health, then
+supervises: Ctrl-C / SIGTERM stops all of them (SIGTERM, grace period, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What to start; engine flags are passed to every scheduler verbatim."""
+
+    model_path: str
+    tokenizer_path: str
+    host: str = "127.0.0.1"
+    http_port: int = 30000
+    grpc_port: int = 30001
+    dp_size: int = 1
+    tokenizer_replicas: int = 1
+    detokenizer_replicas: int = 1
+    scheduler_args: tuple[str, ...] = ()
+    tokenizer_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    common_args: tuple[str, ...] = ()
+    otlp_endpoint: Optional[str] = None
+    log_level: str = "info"
+
+
+@dataclass
+class Child:
+    name: str
+    component: str
+    address: str  # host:port it serves (gRPC, or HTTP for the gateway)
+    argv: list[str]
+    proc: Optional[subprocess.Popen] = None
+
+
+@dataclass
+class System:
+    """A running system. `stop()` ends every process; safe to call twice."""
+
+    plan: LaunchPlan
+    children: list[Child] = field(default_factory=list)
+
+    def by_component(self, component: str) -> list[Child]:
+        return [c for c in self.children if c.component == component]
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.plan.host}:{self.plan.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return self.by_component("tokenizer")[0].address
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for c in reversed(self.children):
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in reversed(self.children):
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0fs; killing", c.name, grace_s)
+                c.proc.kill()
+                c.proc.wait()
+
+
+def _cmd(component: str, args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", f"meshlm.{component}", *args]
+
+
+def plan_children(plan: LaunchPlan) -> list[Child]:
+    h = plan.host
+    common = list(plan.common_args) + ["--log-level", plan.log_level]
+    if plan.otlp_endpoint:
+        common += ["--otlp-endpoint", plan.otlp_endpoint]
+    detoks = [f"{h}:{free_port(h)}" for _ in range(plan.detokenizer_replicas)]
+    scheds = [f"{h}:{free_port(h)}" for _ in range(plan.dp_size)]
+    toks = [f"{h}:{plan.grpc_port}"] + [f"{h}:{free_port(h)}" for _ in range(plan.tokenizer_replicas - 1)]
+    children: list[Child] = []
+    for i, addr in enumerate(detoks):
+        port = addr.rsplit(":", 1)[1]
+        args = ["--host", h, "--port", port, "--tokenizer-path", plan.tokenizer_path, *common]
+        children.append(Child(f"detokenizer-{i}", "detokenizer", addr, _cmd("detokenizer", args)))
+    for i, addr in enumerate(scheds):
+        port = addr.rsplit(":", 1)[1]
+        args = [
+            "--host", h, "--port", port, "--scheduler-id", f"scheduler-{i}",
+            "--model-path", plan.model_path, "--tokenizer-path", plan.tokenizer_path,
+            "--detokenizer-addrs", ",".join(detoks), *plan.scheduler_args, *common,
+        ]
+        children.append(Child(f"scheduler-{i}", "scheduler", addr, _cmd("scheduler", args)))
+    for i, addr in enumerate(toks):
+        port = addr.rsplit(":", 1)[1]
+        args = [
+            "--host", h, "--port", port, "--tokenizer-id", f"tokenizer-{i}",
+            "--tokenizer-path", plan.tokenizer_path, "--scheduler-addrs", ",".join(scheds),
+            "--detokenizer-addrs", ",".join(detoks), *plan.tokenizer_args, *common,
+        ]
+        children.append(Child(f"tokenizer-{i}", "tokenizer", addr, _cmd("tokenizer", args)))
+    gw_args = ["--host", h, "--port", str(plan.http_port), "--tokenizer-addrs", ",".join(toks),
+               *plan.gateway_args, *common]
+    children.append(Child("gateway", "gateway", f"{h}:{plan.http_port}", _cmd("gateway", gw_args)))
+    return children
+
+
+def _grpc_serving(address: str, timeout: float) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback)
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_ready(child: Child, timeout_s: float) -> None:
+    """Block until the child serves (gRPC health SERVING / HTTP /health 200) or fail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert child.proc is not None
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start-up")
+        ok = (
+            _http_ok(f"http://{child.address}/health", 1.0)
+            if child.component == "gateway"
+            else _grpc_serving(child.address, 1.0)
+        )
+        if ok:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
+
+
+def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: Optional[dict[str, str]] = None) -> System:
+    """Start every process and wait until all are ready; on failure stop what started."""
+    system = System(plan)
+    proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        children = plan_children(plan)
+        for component in ("detokenizer", "scheduler", "tokenizer", "gateway"):
+            batch = [c for c in children if c.component == component]
+            for c in batch:
+                logger.info("starting %s: %s", c.name, " ".join(c.argv))
+                c.proc = subprocess.Popen(c.argv, env=proc_env)
+                system.children.append(c)
+            for c in batch:
+                wait_ready(c, ready_timeout_s)
+    except BaseException:
+        system.stop(grace_s=5.0)
+        raise
+    return system

@@ -1,0 +1,40 @@
+"""`python -m meshlm.detokenizer [flags]` (and `meshlm serve detokenizer [flags]` via `main`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Optional, Sequence
+
+from meshlm.common.log import setup_logging
+from meshlm.detokenizer.config import DetokenizerConfig
+from meshlm.detokenizer.service import serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshlm-detokenizer",
+        description="meshlm detokenizer: incremental detokenization of scheduler outputs, "
+        "streamed to each request's tokenizer replica. Every flag can also be set with the "
+        "env var MESHLM_DETOKENIZER_<FLAG> (upper case, dashes as underscores); a flag wins.",
+    )
+    DetokenizerConfig.add_cli_args(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse flags, configure logging, serve until SIGTERM/SIGINT; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = DetokenizerConfig.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    setup_logging("detokenizer", config.log_level, config.log_format)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""`python -m meshlm.gateway [flags]`: serve the gateway with uvicorn.
+
+SIGTERM/SIGINT: uvicorn stops accepting connections and gives in-flight requests up to
+--grace-period-s (timeout_graceful_shutdown) before cancelling them (which cancels their gRPC calls,
+so the tokenizers abort them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+import threading
+from typing import Optional, Sequence
+
+logger = logging.getLogger("meshlm.gateway")
+
+
+def build_parser(prog: str = "python -m meshlm.gateway") -> argparse.ArgumentParser:
+    from meshlm.gateway.config import GatewayConfig
+
+    parser = argparse.ArgumentParser(prog=prog, description="meshlm gateway: OpenAI-compatible and SGLang-native HTTP")
+    GatewayConfig.add_cli_args(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import uvicorn
+
+    from meshlm.common.log import setup_logging
+    from meshlm.common.telemetry import setup_telemetry, shutdown_telemetry
+    from meshlm.gateway.app import create_app
+    from meshlm.gateway.config import GatewayConfig
+
+    args = build_parser().parse_args(argv)
+    try:
+        config = GatewayConfig.from_cli_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging("gateway", config.log_level, config.log_format)
+    setup_telemetry("meshlm-gateway", config.otlp_endpoint)
+    logger.info("gateway on %s:%d -> tokenizers %s", config.host, config.port, ",".join(config.tokenizer_addrs))
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_config=None,  # our root logger (setup_logging) formats uvicorn's records too
+        log_level=config.log_level.lower(),
+        timeout_graceful_shutdown=math.ceil(config.grace_period_s),
+        timeout_keep_alive=30,
+    ))
+    # uvicorn drains on SIGTERM/SIGINT, restores the previous handlers and re-raises the signal; with
+    # these the re-raise is a no-op, so a drained gateway exits 0 like the gRPC services.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        shutdown_telemetry()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

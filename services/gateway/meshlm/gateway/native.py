@@ -1,0 +1,489 @@
+"""SGLang-native routes: /generate, /encode, /health, /health_generate, /get_model_info,
+/get_server_info, /flush_cache, /abort_request, /open_session, /close_session.
+
+/generate follows SGLang's GenerateReqInput: a single prompt gives a dict, a batch (list of texts or
+of id lists) or n > 1 a list; streaming sends `data: {text, output_ids, meta_info[, index]}` with
+cumulative text and ids (SGLang's default) and ends with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from meshlm.common.errors import ServiceError
+from meshlm.common.log import request_id_var
+from meshlm.gateway.errors import APIError, bad_request, error_response
+from meshlm.gateway.grpc_client import (
+    ClientDisconnected,
+    GenerateStream,
+    cancel_on_disconnect,
+    sampling_params,
+    trace_context,
+)
+from meshlm.gateway.outputs import SSE_DONE, Output, abort_error, input_logprob_values, is_abort, sse, sse_response
+from meshlm.gateway.state import GatewayState, get_state
+from meshlm.v1 import common_pb2, tokenizer_pb2
+
+router = APIRouter(tags=["SGLang-native"])
+
+
+def route(path: str, methods: list[str]) -> Any:
+    """One route for several methods; the OpenAPI document lists the first (operation ids stay unique)."""
+
+    def register(endpoint: Any) -> Any:
+        for i, method in enumerate(methods):
+            router.add_api_route(path, endpoint, methods=[method], include_in_schema=i == 0)
+        return endpoint
+
+    return register
+HEALTH_CHECK_TIMEOUT_S = 20.0
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class NativeSamplingParams(BaseModel):
+    """SGLang's SamplingParams as a JSON object; unknown keys are rejected."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_new_tokens: Optional[int] = Field(None, ge=0, lt=1 << 31)
+    min_new_tokens: Optional[int] = Field(None, ge=0, lt=1 << 31)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, lt=1 << 31)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    no_stop_trim: Optional[bool] = None
+    n: Optional[int] = Field(None, ge=1, le=128)
+    logit_bias: Optional[dict[str, float]] = None
+    sampling_seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63)
+    stream_interval: Optional[int] = Field(None, ge=1)
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: Optional[int]) -> Optional[int]:
+        if v == 0:
+            raise ValueError("must be -1 (whole vocabulary) or >= 1")
+        return v
+
+
+class SessionParams(_Strict):
+    id: str
+    rid: Optional[str] = None
+
+
+class GenerateReqInput(_Strict):
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[NativeSamplingParams, list[NativeSamplingParams]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    return_logprob: bool = False
+    logprob_start_len: Optional[int] = Field(None, ge=-1, description="-1 = output tokens only")
+    top_logprobs_num: int = Field(0, ge=0)
+    token_ids_logprob: Optional[list[int]] = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    session_params: Optional[SessionParams] = None
+    input_embeds: Optional[Any] = None
+    image_data: Optional[Any] = None
+    lora_path: Optional[Any] = None
+
+
+class EmbeddingReqInput(_Strict):
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    rid: Optional[str] = None
+
+
+class AbortReq(_Strict):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class OpenSessionReq(_Strict):
+    capacity_of_str_len: int = Field(0, ge=0)
+    session_id: Optional[str] = None
+
+
+class CloseSessionReq(_Strict):
+    session_id: str
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _prompts(text: Any, input_ids: Any) -> tuple[list[tokenizer_pb2.Prompt], bool]:
+    """(prompts, is_batch) from text | input_ids; exactly one must be given and none may be empty."""
+    if (text is None) == (input_ids is None):
+        raise bad_request("exactly one of text or input_ids must be given", "text")
+    if text is not None:
+        items, batch = ([text], False) if isinstance(text, str) else (text, True)
+        if not items:
+            raise bad_request("text: the batch must not be empty", "text")
+        return [tokenizer_pb2.Prompt(text=t) for t in items], batch
+    batch = bool(input_ids) and isinstance(input_ids[0], list)
+    items = input_ids if batch else [input_ids]
+    if not items or any(not ids for ids in items):
+        raise bad_request("input_ids must not be empty", "input_ids")
+    return [tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=ids)) for ids in items], batch
+
+
+def _sampling(sp: Optional[NativeSamplingParams]) -> common_pb2.SamplingParams:
+    try:
+        return sampling_params(sp.model_dump() if sp is not None else {})
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"sampling_params: {e}", "sampling_params") from None
+
+
+def _repeated(field: Any) -> bool:
+    is_repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.28; `label` before
+    return bool(is_repeated) if is_repeated is not None else field.label == field.LABEL_REPEATED
+
+
+def proto_dict(message: Any) -> dict[str, Any]:
+    """A shallow-recursive dict of a proto message (int64 stay ints, repeated become lists)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            value = [proto_dict(v) for v in value] if _repeated(field) else proto_dict(value)
+        elif _repeated(field):
+            value = list(value)
+        out[field.name] = value
+    return out
+
+
+def _tuples(entries: list[common_pb2.TokenLogprob], values: Optional[list[Optional[float]]], text: bool) -> list:
+    values = values if values is not None else [e.logprob for e in entries]
+    return [[values[i], e.token_id, (e.text if text else None)] for i, e in enumerate(entries)]
+
+
+def _tops(positions: list[common_pb2.TopLogprobs], text: bool) -> list:
+    return [_tuples(list(p.entries), None, text) if len(p.entries) else None for p in positions]
+
+
+def native_output(out: Output, body: GenerateReqInput, with_index: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": out.id,
+        "finish_reason": out.sglang_finish_reason(),
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "num_retractions": out.retractions,
+        "e2e_latency": out.e2e_latency,
+    }
+    if body.return_logprob:
+        lp, text = out.logprobs, body.return_text_in_logprobs
+        meta["input_token_logprobs"] = _tuples(lp["input_token_logprobs"],
+                                               input_logprob_values(lp["input_token_logprobs"]), text)
+        meta["output_token_logprobs"] = _tuples(lp["output_token_logprobs"], None, text)
+        if body.top_logprobs_num:
+            meta["input_top_logprobs"] = _tops(lp["input_top_logprobs"], text)
+            meta["output_top_logprobs"] = _tops(lp["output_top_logprobs"], text)
+        if body.token_ids_logprob:
+            meta["input_token_ids_logprobs"] = _tops(lp["input_token_ids_logprobs"], text)
+            meta["output_token_ids_logprobs"] = _tops(lp["output_token_ids_logprobs"], text)
+    result = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
+    if with_index:
+        result["index"] = out.index
+    return result
+
+
+async def _open_all(st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest], key: Optional[str]
+                    ) -> list[GenerateStream]:
+    tasks = [asyncio.ensure_future(st.pool.generate(c, timeout=st.config.request_timeout_s, key=key)) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+            if t.done() and not t.cancelled() and t.exception() is None:
+                t.result().cancel()
+        raise
+
+
+async def _merged(streams: list[GenerateStream], offsets: list[int]) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+    """Responses of every stream, index shifted by the stream's offset (one per prompt call)."""
+    if len(streams) == 1:
+        try:
+            async for response in streams[0]:
+                yield response
+        finally:
+            streams[0].cancel()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: GenerateStream, offset: int) -> None:
+        try:
+            async for response in stream:
+                response.index += offset
+                await queue.put(response)
+            await queue.put(None)
+        except Exception as e:  # forwarded to the consumer
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(s, o)) for s, o in zip(streams, offsets, strict=True)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.cancel()
+
+
+# ---------------------------------------------------------------------------- /generate
+
+
+@route("/generate", ["POST", "PUT"])
+async def generate(body: GenerateReqInput, request: Request) -> Response:
+    st = get_state(request)
+    for name in ("input_embeds", "image_data", "lora_path"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} is not supported", name)
+    prompts, batch = _prompts(body.text, body.input_ids)
+    sps = body.sampling_params if isinstance(body.sampling_params, list) else None
+    if sps is not None and len(sps) != len(prompts):
+        raise bad_request(f"sampling_params: {len(sps)} given for {len(prompts)} prompts", "sampling_params")
+    ns = {(sp.n or 1) for sp in sps} if sps else {(body.sampling_params.n or 1) if body.sampling_params else 1}
+    if len(ns) > 1:
+        raise bad_request("sampling_params: n must be the same for every prompt of a batch", "sampling_params")
+    n = ns.pop()
+    rids = body.rid if isinstance(body.rid, list) else None
+    if rids is not None and (not batch or len(rids) != len(prompts)):
+        raise bad_request(f"rid: a list needs one id per prompt ({len(prompts)})", "rid")
+    base_rid = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
+    request_id_var.set(base_rid)
+    common = dict(
+        return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+        token_ids_logprob=body.token_ids_logprob or [], return_text_in_logprobs=body.return_text_in_logprobs,
+        stream=body.stream, trace=trace_context(),
+        session_id=body.session_params.id if body.session_params else "",
+        session_rid=(body.session_params.rid or "") if body.session_params else "",
+    )
+    if body.logprob_start_len is not None and body.logprob_start_len >= 0:
+        common["logprob_start_len"] = body.logprob_start_len
+    if sps is None and rids is None:  # one call; the tokenizer names the outputs <rid>_<i>
+        sp = body.sampling_params if not isinstance(body.sampling_params, list) else None
+        calls = [tokenizer_pb2.GenerateRequest(rid=base_rid, prompts=prompts, sampling_params=_sampling(sp), **common)]
+        offsets = [0]
+    else:  # per-prompt sampling params or ids: one call per prompt
+        calls = [
+            tokenizer_pb2.GenerateRequest(
+                rid=rids[i] if rids else f"{base_rid}_{i}", prompts=[p],
+                sampling_params=_sampling(sps[i] if sps else body.sampling_params), **common,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        offsets = [i * n for i in range(len(prompts))]
+    key = body.session_params.id if body.session_params else None
+    with_index = batch or n > 1
+    try:
+        if not body.stream:
+            outputs = await cancel_on_disconnect(request, _collect(st, calls, key, offsets))
+            results = [native_output(outputs[i], body, with_index) for i in sorted(outputs)]
+            return JSONResponse(results if with_index else results[0])
+        streams = await cancel_on_disconnect(request, _open_all(st, calls, key))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    for s in streams:
+        if is_abort(s.first) and s.first.meta_info.finish_reason.status_code != 499:
+            for other in streams:
+                other.cancel()
+            raise abort_error(s.first.meta_info.finish_reason)
+    return sse_response(_stream_events(streams, offsets, body, with_index),
+                        on_close=lambda: [s.cancel() for s in streams])
+
+
+async def _collect(st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest], key: Optional[str],
+                   offsets: list[int]) -> dict[int, Output]:
+    outputs: dict[int, Output] = {}
+    merged = _merged(await _open_all(st, calls, key), offsets)
+    try:
+        async for response in merged:
+            out = outputs.setdefault(response.index, Output(response.index))
+            out.add(response)
+            if out.aborted and out.finish.status_code != 499:  # a user abort returns its output
+                raise abort_error(out.finish)
+    finally:
+        await merged.aclose()
+    return outputs
+
+
+async def _stream_events(streams: list[GenerateStream], offsets: list[int], body: GenerateReqInput,
+                         with_index: bool) -> AsyncIterator[str]:
+    outputs: dict[int, Output] = {}
+    merged = _merged(streams, offsets)
+    try:
+        async for response in merged:
+            out = outputs.setdefault(response.index, Output(response.index))
+            out.add(response)
+            yield sse(native_output(out, body, with_index))
+    except ServiceError as e:
+        yield sse({"error": {"message": e.message, "code": e.http_status}})
+    finally:
+        await merged.aclose()
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------------- /encode
+
+
+@route("/encode", ["POST", "PUT"])
+async def encode(body: EmbeddingReqInput, request: Request) -> Response:
+    st = get_state(request)
+    prompts, batch = _prompts(body.text, body.input_ids)
+    rid = body.rid or uuid.uuid4().hex
+    request_id_var.set(rid)
+    ereq = tokenizer_pb2.EmbedRequest(rid=rid, prompts=prompts, trace=trace_context())
+    try:
+        reply = await cancel_on_disconnect(request, st.pool.unary("Embed", ereq, timeout=st.config.request_timeout_s))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    results = [
+        {"embedding": list(r.embedding),
+         "meta_info": {"id": f"{rid}_{r.index}" if batch else rid, "prompt_tokens": r.prompt_tokens}}
+        for r in sorted(reply.results, key=lambda r: r.index)
+    ]
+    return JSONResponse(results if batch else results[0])
+
+
+# ---------------------------------------------------------------------------- health and info
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 if a tokenizer replica answers its gRPC health check with SERVING, else 503."""
+    if await get_state(request).pool.any_healthy():
+        return Response(status_code=200)
+    return error_response(503, "no tokenizer replica is serving")
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 as soon as a 1-token generate (an embed for embedding models) answers, else 503."""
+    st = get_state(request)
+    rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+    prompt = tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=[0]))
+
+    async def probe() -> None:
+        info = await st.model_info()
+        if info.is_generation:
+            greq = tokenizer_pb2.GenerateRequest(
+                rid=rid, prompts=[prompt], stream=True, trace=trace_context(),
+                sampling_params=common_pb2.SamplingParams(max_new_tokens=1, temperature=0.0),
+            )
+            (await st.pool.generate(greq, timeout=HEALTH_CHECK_TIMEOUT_S)).cancel()  # any output will do
+        else:
+            await st.pool.unary("Embed", tokenizer_pb2.EmbedRequest(rid=rid, prompts=[prompt]),
+                                timeout=HEALTH_CHECK_TIMEOUT_S)
+
+    try:
+        await asyncio.wait_for(probe(), HEALTH_CHECK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return error_response(503, f"health check generate did not answer within {HEALTH_CHECK_TIMEOUT_S:.0f}s")
+    except ServiceError as e:
+        return error_response(503, f"health check generate failed: {e.message}")
+    return Response(status_code=200)
+
+
+async def _model_info_dict(st: GatewayState, info: common_pb2.ModelInfo) -> dict[str, Any]:
+    out = proto_dict(info)
+    out["served_model_name"] = await st.served_model_name()
+    return out
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict:
+    st = get_state(request)
+    return await _model_info_dict(st, await st.model_info())
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict:
+    st = get_state(request)
+    info = await st.pool.unary("GetServerInfo", tokenizer_pb2.GetServerInfoRequest(), timeout=st.control_timeout_s)
+    out = await _model_info_dict(st, info.model)
+    with contextlib.suppress(ValueError):
+        out["tokenizer_config"] = json.loads(info.config_json) if info.config_json else {}
+    out.update(
+        version=info.version, tokenizer_id=info.tokenizer_id,
+        schedulers=[proto_dict(s) for s in info.schedulers],
+        gateway={"tokenizer_addrs": list(st.config.tokenizer_addrs),
+                 "request_timeout_s": st.config.request_timeout_s},
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------- control
+
+
+@route("/flush_cache", ["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    st = get_state(request)
+    reply = await st.pool.unary("FlushCache", tokenizer_pb2.FlushCacheRequest(), timeout=st.control_timeout_s)
+    if not reply.success:
+        return error_response(400, reply.message or "cache not flushed: requests are running")
+    return JSONResponse({"success": True, "message": reply.message or "Cache flushed."})
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortReq, request: Request) -> Response:
+    """Abort by rid (also `<rid>_<i>`) or everything, on every tokenizer replica (any may hold it)."""
+    if not body.rid and not body.abort_all:
+        raise bad_request("give a rid or abort_all=true", "rid")
+    st = get_state(request)
+    replies = await st.pool.broadcast("Abort", tokenizer_pb2.AbortRequest(rid=body.rid, abort_all=body.abort_all),
+                                      timeout=st.control_timeout_s)
+    errors = [r for r in replies if isinstance(r, ServiceError)]
+    if replies and len(errors) == len(replies):
+        raise APIError.from_service_error(errors[0])
+    return Response(status_code=200)
+
+
+@route("/open_session", ["POST", "GET"])
+async def open_session(request: Request, body: Optional[OpenSessionReq] = None) -> Response:
+    st = get_state(request)
+    body = body or OpenSessionReq()
+    session_id = body.session_id or uuid.uuid4().hex  # chosen here so all its requests pin to one tokenizer
+    reply = await st.pool.unary(
+        "OpenSession", tokenizer_pb2.OpenSessionRequest(capacity_of_str_len=body.capacity_of_str_len,
+                                                         session_id=session_id),
+        timeout=st.control_timeout_s, key=session_id,
+    )
+    return JSONResponse(reply.session_id or session_id)
+
+
+@route("/close_session", ["POST", "GET"])
+async def close_session(body: CloseSessionReq, request: Request) -> Response:
+    st = get_state(request)
+    await st.pool.unary("CloseSession", tokenizer_pb2.CloseSessionRequest(session_id=body.session_id),
+                        timeout=st.control_timeout_s, key=body.session_id)
+    return Response(status_code=200)

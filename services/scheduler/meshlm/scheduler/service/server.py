@@ -1,0 +1,196 @@
+"""The scheduler service process: engine loop + gRPC SchedulerService + detokenizer Push
+stream + metrics, with graceful drain on SIGTERM.
+
+    python -m meshlm.scheduler --detokenizer-addrs detok:30020 [--port 30010] [engine flags]
+
+Start-up: load the model (SchedulerRuntime, as the in-process Engine does), start the loop
+thread and the Push client, then bind gRPC and report SERVING. SIGTERM: NOT_SERVING, new
+requests rejected (503), running requests finish within --grace-period-s, the rest fail with
+503, outputs are flushed to the detokenizer, streams end, exit 0. A crash of the loop fails
+every request (500) and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional, Sequence
+
+from meshlm.common import telemetry
+from meshlm.common.grpc_server import GrpcServer
+from meshlm.common.log import setup_logging
+from meshlm.common.metrics import Metrics
+from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.runtime import SchedulerRuntime
+from meshlm.scheduler.service.config import SchedulerServiceConfig, parse_args
+from meshlm.scheduler.service.detok_client import DetokenizerPushClient
+from meshlm.scheduler.service.observability import SchedulerMetrics
+from meshlm.scheduler.service.servicer import SchedulerServicer
+from meshlm.scheduler.service.tracker import RequestTracker
+from meshlm.v1 import common_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "meshlm.v1.SchedulerService"
+
+
+def model_info(runtime: SchedulerRuntime) -> common_pb2.ModelInfo:
+    mc, cfg = runtime.model_config, runtime.config
+    path = cfg.model_path or mc.path
+    return common_pb2.ModelInfo(
+        model_path=path,
+        tokenizer_path=cfg.tokenizer_path or path,
+        served_model_name=path,
+        is_generation=not mc.is_embedding,
+        context_length=mc.context_len,
+        vocab_size=mc.vocab_size,
+        eos_token_ids=list(mc.eos_token_ids),
+        architecture=mc.architecture,
+        max_req_input_len=runtime.scheduler.max_req_len,
+    )
+
+
+class SchedulerServer:
+    """One scheduler service in this process. `await start()`, then `serve_until_signal()`
+    (the process) or `shutdown()` (tests)."""
+
+    def __init__(self, svc: SchedulerServiceConfig, engine: SchedulerConfig) -> None:
+        self.svc = svc
+        self.engine_config = engine
+        self.exit_code = 0
+        self.port = 0
+        self.metrics = Metrics()
+        self.tracker = RequestTracker()
+        self.runtime: Optional[SchedulerRuntime] = None
+        self.servicer: Optional[SchedulerServicer] = None
+        self.detok: Optional[DetokenizerPushClient] = None
+        self.grpc: Optional[GrpcServer] = None
+        self._closed = False
+
+    @property
+    def scheduler_id(self) -> str:
+        assert self.servicer is not None
+        return self.servicer.scheduler_id
+
+    async def start(self) -> int:
+        """Load the model, start the loop, the Push client and gRPC; returns the bound port."""
+        svc = self.svc
+        sched_metrics = SchedulerMetrics(self.metrics)
+        # The model loads in a worker thread so the event loop stays responsive.
+        self.runtime = await asyncio.to_thread(
+            SchedulerRuntime, self.engine_config, self._on_output, self._on_control
+        )
+        self.grpc = GrpcServer([SERVICE_NAME], svc.host, svc.port)
+        self.servicer = SchedulerServicer(
+            self.runtime.port.put,
+            scheduler_id=svc.scheduler_id or "",
+            model_info=model_info(self.runtime),
+            tracker=self.tracker,
+            metrics=sched_metrics,
+            load_interval_s=svc.load_report_interval_s,
+        )
+        self.servicer.on_fatal = self._fatal
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, self.grpc.server)
+        self.port = self.grpc.server.add_insecure_port(self.grpc.address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind gRPC server to {self.grpc.address}")
+        self.grpc.address = f"{svc.host}:{self.port}"  # start() must not bind again
+        self.servicer.scheduler_id = svc.resolved_scheduler_id(self.port)
+        self.detok = DetokenizerPushClient(
+            self.servicer.scheduler_id, svc.detokenizer_addrs, self.tracker, self.servicer.fail_unavailable,
+            fail_after_s=svc.detokenizer_timeout_s,
+        )
+        self.servicer.detok = self.detok
+        self.servicer.start()
+        self.detok.start()
+        self.runtime.start(on_crash=self.servicer.on_crash)
+        await self.grpc.server.start()
+        await self.grpc.set_serving(True)
+        self.grpc.port = self.port
+        self.metrics.serve(svc.metrics_port)
+        logger.info(
+            "scheduler %s serving on port %d (model %s, KV %d tokens, detokenizers %s)",
+            self.scheduler_id, self.port, self.runtime.config.model_path,
+            self.runtime.scheduler.max_total_num_tokens, ",".join(svc.detokenizer_addrs) or "-",
+        )
+        return self.port
+
+    # loop-thread callbacks, bound before the servicer exists
+    def _on_output(self, msg: object) -> None:
+        if self.servicer is not None:
+            self.servicer.on_output(msg)
+
+    def _on_control(self, msg: object) -> None:
+        if self.servicer is not None:
+            self.servicer.on_control(msg)
+
+    def _fatal(self) -> None:
+        """The loop crashed: report NOT_SERVING and stop (the process exits 1)."""
+        self.exit_code = 1
+
+        async def stop() -> None:
+            assert self.grpc is not None
+            await self.grpc.set_serving(False)
+            await asyncio.sleep(0.2)  # let the errors reach the tokenizers
+            await self.grpc.server.stop(1.0)
+
+        asyncio.get_running_loop().create_task(stop())
+
+    async def _drain_hook(self) -> None:
+        assert self.servicer is not None
+        await self.servicer.drain(self.svc.grace_period_s)
+
+    async def serve_until_signal(self) -> int:
+        """Serve until SIGTERM/SIGINT (drain) or a fatal error; returns the exit code."""
+        assert self.grpc is not None
+        await self.grpc.serve_until_signal(self.svc.grace_period_s, self._drain_hook)
+        await self.close()
+        return self.exit_code
+
+    async def shutdown(self, grace_s: Optional[float] = None) -> None:
+        """What SIGTERM does: drain within grace_s, then stop everything."""
+        assert self.grpc is not None and self.servicer is not None
+        grace = self.svc.grace_period_s if grace_s is None else grace_s
+        await self.grpc.drain(grace, lambda: self.servicer.drain(grace))  # type: ignore[union-attr]
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.servicer is not None:
+            await self.servicer.stop()
+        if self.detok is not None:
+            await self.detok.close()
+        if self.grpc is not None:
+            await self.grpc.server.stop(0)
+        if self.runtime is not None:
+            await asyncio.to_thread(self.runtime.stop, 10.0)
+
+
+def serve(svc: SchedulerServiceConfig, engine: SchedulerConfig) -> int:
+    """Run the service in this process until SIGTERM; returns the exit code."""
+    setup_logging("scheduler", svc.log_level, svc.log_format)
+    telemetry.setup_telemetry("meshlm-scheduler", svc.otlp_endpoint)
+
+    async def run() -> int:
+        server = SchedulerServer(svc, engine)
+        try:
+            await server.start()
+        except BaseException:
+            await server.close()
+            raise
+        return await server.serve_until_signal()
+
+    try:
+        return asyncio.run(run())
+    finally:
+        telemetry.shutdown_telemetry()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`meshlm serve scheduler ARGS` / `python -m meshlm.scheduler ARGS`."""
+    svc, engine = parse_args(argv)
+    if not svc.detokenizer_addrs:
+        raise SystemExit("--detokenizer-addrs (or MESHLM_SCHEDULER_DETOKENIZER_ADDRS) is required")
+    return serve(svc, engine)

@@ -1,0 +1,38 @@
+"""`python -m meshlm.tokenizer [flags]`: run the tokenizer service until SIGTERM (exit 0 after draining).
+
+Flags: see `--help` (every TokenizerConfig field; env fallback MESHLM_TOKENIZER_<FIELD>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Optional, Sequence
+
+from meshlm.tokenizer.config import TokenizerConfig
+
+
+def build_parser(prog: str = "python -m meshlm.tokenizer") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="meshlm tokenizer service: TokenizerManager + meshlm.v1.TokenizerService",
+    )
+    TokenizerConfig.add_cli_args(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = TokenizerConfig.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    from meshlm.tokenizer.service import serve
+
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""What the scheduler and detokenizer clients share: reconnect backoff, channel options, and an
+address list that is re-resolved while running (a headless Kubernetes service name resolves to
+one address per pod)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Sequence
+
+import grpc
+from meshlm.common.addresses import resolve
+from meshlm.common.grpc_server import MAX_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Fail fast and retry ourselves (backoff below) rather than gRPC's long reconnect waits.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+RESOLVE_INTERVAL_S = 10.0
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class Backoff:
+    """Exponential backoff with jitter: 0.1 s doubling to `cap` s; reset() after a success."""
+
+    def __init__(self, initial: float = 0.1, cap: float = 5.0) -> None:
+        self.initial = initial
+        self.cap = cap
+        self._next = initial
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+    async def sleep(self) -> None:
+        delay = self._next * random.uniform(0.8, 1.2)
+        self._next = min(self.cap, self._next * 2)
+        await asyncio.sleep(delay)
+
+
+async def resolve_all(addresses: Sequence[str]) -> list[str]:
+    """Every endpoint of an address list, in list order (each name's addresses sorted), no
+    duplicates. The order is the scheduler index that session ids name.
+
+    A dual-stack name (IPv4 and IPv6 addresses, e.g. localhost or a dual-stack pod) would
+    count each peer twice: when a name has IPv4 addresses its IPv6 ones are dropped."""
+    out: list[str] = []
+    for addr in addresses:
+        endpoints = await resolve(addr)
+        v4 = [e for e in endpoints if not e.startswith("[")]
+        for endpoint in v4 or endpoints:
+            if endpoint not in out:
+                out.append(endpoint)
+    return out

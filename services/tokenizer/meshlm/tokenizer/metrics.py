@@ -1,0 +1,42 @@
+"""The tokenizer's Prometheus metrics (SGLang's TokenizerMetricsCollector names, `meshlm:` prefix)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from meshlm.common.metrics import Metrics
+
+# Inter-token latencies are small; finer buckets than the shared latency ones.
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
+
+
+class TokenizerMetrics:
+    def __init__(self, metrics: Optional[Metrics] = None) -> None:
+        self.metrics = metrics or Metrics()
+        m = self.metrics
+        self.time_to_first_token = m.histogram(
+            "time_to_first_token_seconds", "Time to first token (s)."
+        )
+        self.inter_token_latency = m.histogram(
+            "inter_token_latency_seconds", "Time between output tokens (s).", buckets=ITL_BUCKETS
+        )
+        self.e2e_request_latency = m.histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency (s)."
+        )
+        self.num_requests = m.counter("num_requests_total", "Finished requests (one per output).")
+        self.num_aborted_requests = m.counter("num_aborted_requests_total", "Aborted requests.")
+        self.prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = m.counter(
+            "generation_tokens_total", "Generated tokens of finished requests."
+        )
+
+    def observe_inter_token(self, interval: float, num_tokens: int) -> None:
+        """SGLang's rule: a delta of k tokens after `interval` counts k latencies of interval/k."""
+        if num_tokens <= 0:
+            return
+        per = interval / num_tokens
+        for _ in range(min(num_tokens, 64)):
+            self.inter_token_latency.observe(per)
+
+    def serve(self, port: Optional[int]) -> None:
+        self.metrics.serve(port)

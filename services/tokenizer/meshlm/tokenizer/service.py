@@ -1,0 +1,156 @@
+"""meshlm.v1.TokenizerService: a thin gRPC adapter over TokenizerManager, and `serve(config)`.
+
+Errors leave as `context.abort(code, message)` with the code of meshlm.common.errors; the
+message names the field and the limit. Unexpected exceptions become INTERNAL (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+
+import grpc
+from meshlm.common.errors import ServiceError
+from meshlm.common.grpc_server import GrpcServer
+from meshlm.common.log import setup_logging
+from meshlm.common.metrics import Metrics
+from meshlm.common.telemetry import setup_telemetry, shutdown_telemetry
+from meshlm.tokenizer.config import TokenizerConfig
+from meshlm.tokenizer.hf_tokenizer import HFTokenizer
+from meshlm.tokenizer.manager import TokenizerManager
+from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "meshlm.v1.TokenizerService"
+T = TypeVar("T")
+
+
+async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await fn()
+    except ServiceError as e:
+        await context.abort(e.code, e.message)
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as e:
+        logger.exception("internal error")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+    raise AssertionError("unreachable")
+
+
+async def _value(v: T) -> T:
+    return v
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self, manager: TokenizerManager) -> None:
+        self.manager = manager
+
+    async def Generate(
+        self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        try:
+            async with contextlib.aclosing(self.manager.generate(request)) as outputs:
+                async for response in outputs:
+                    yield response
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
+            logger.exception("internal error in Generate")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+            )
+
+    async def Embed(self, request, context):
+        return await _unary(context, lambda: self.manager.embed(request))
+
+    async def Abort(self, request, context):
+        async def run():
+            self.manager.abort(request.rid, request.abort_all)
+            return tokenizer_pb2.AbortResponse()
+
+        return await _unary(context, run)
+
+    async def Tokenize(self, request, context):
+        return await _unary(context, lambda: _value(self.manager.tokenize(request)))
+
+    async def Detokenize(self, request, context):
+        return await _unary(context, lambda: _value(self.manager.detokenize(request)))
+
+    async def GetModelInfo(self, request, context) -> common_pb2.ModelInfo:
+        return await _unary(context, self.manager.get_model_info)
+
+    async def GetServerInfo(self, request, context):
+        return await _unary(context, self.manager.get_server_info)
+
+    async def FlushCache(self, request, context):
+        return await _unary(context, self.manager.flush_cache)
+
+    async def OpenSession(self, request, context):
+        async def run():
+            return tokenizer_pb2.OpenSessionResponse(
+                session_id=await self.manager.open_session(request)
+            )
+
+        return await _unary(context, run)
+
+    async def CloseSession(self, request, context):
+        async def run():
+            await self.manager.close_session(request.session_id)
+            return tokenizer_pb2.CloseSessionResponse()
+
+        return await _unary(context, run)
+
+
+async def start_server(
+    config: TokenizerConfig,
+    tokenizer: Optional[HFTokenizer] = None,
+    metrics: Optional[Metrics] = None,
+) -> tuple[GrpcServer, TokenizerManager]:
+    """Start the manager (peer streams), load the tokenizer, bind and start the gRPC server."""
+    manager = TokenizerManager(config, tokenizer=tokenizer, metrics=metrics)
+    await manager.start()
+    try:
+        await manager.load_tokenizer()
+        server = GrpcServer([SERVICE_NAME], config.host, config.port)
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(
+            TokenizerServicer(manager), server.server
+        )
+        await server.start()
+    except BaseException:
+        await manager.close()
+        raise
+    return server, manager
+
+
+async def serve(config: TokenizerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new requests (UNAVAILABLE),
+    let in-flight ones finish within grace_period_s (abort the rest), stop; returns 0."""
+    setup_logging("tokenizer", config.log_level, config.log_format)
+    setup_telemetry("meshlm-tokenizer", config.otlp_endpoint)
+    metrics = Metrics()
+    server, manager = await start_server(config, metrics=metrics)
+    metrics.serve(config.metrics_port)
+    logger.info(
+        "tokenizer %s serving on port %d (schedulers %s, detokenizers %s)",
+        config.tokenizer_id,
+        server.port,
+        ",".join(config.scheduler_addrs),
+        ",".join(config.detokenizer_addrs),
+    )
+
+    async def on_drain() -> None:
+        manager.start_draining()
+        await manager.drain(max(0.0, config.grace_period_s - 1.0))
+
+    try:
+        await server.serve_until_signal(config.grace_period_s, on_drain)
+    finally:
+        await manager.close()
+        shutdown_telemetry()
+    return 0

@@ -1,0 +1,200 @@
+"""Test peers for the scheduler contract tests (real gRPC on loopback, nothing mocked):
+
+* build_tiny_llama: a random 2-layer Llama (hidden 64) with the real SmolLM2 tokenizer, so a
+  scheduler starts in about a second and steps in milliseconds on CPU;
+* RecordingDetokenizer: a DetokenizerService whose Push records every message (a test peer that
+  stands where a detokenizer sits, not a mock of our detokenizer);
+* TokenizerStream: one Connect stream driven like a tokenizer replica would;
+* ServiceThread: a SchedulerServer running on its own asyncio loop in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable, Coroutine, Optional, TypeVar
+
+import grpc
+from meshlm.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+T = TypeVar("T")
+
+
+def build_tiny_llama(out_dir: Path, tokenizer_src: str) -> str:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_src)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
+    def __init__(self) -> None:
+        self.messages: list[detokenizer_pb2.DetokenizerInput] = []
+        self.streams = 0
+        self._lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def Push(self, request_iterator, context):
+        with self._lock:
+            self.streams += 1
+        n = 0
+        for msg in request_iterator:
+            with self._lock:
+                self.messages.append(msg)
+            n += 1
+        return detokenizer_pb2.PushSummary(messages=n)
+
+    def kill(self) -> None:
+        self.server.stop(None)
+
+    def snapshot(self) -> list[detokenizer_pb2.DetokenizerInput]:
+        with self._lock:
+            return list(self.messages)
+
+    def entries(self, rid: str) -> list[dict[str, Any]]:
+        """Every BatchTokenIDOut entry of rid, in arrival order."""
+        out = []
+        for msg in self.snapshot():
+            if msg.WhichOneof("msg") != "tokens":
+                continue
+            b = msg.tokens
+            for i, r in enumerate(b.rids):
+                if r == rid:
+                    out.append({
+                        "scheduler_id": b.scheduler_id, "origin": b.origins[i], "seed": b.seeds[i],
+                        "offset": b.token_offsets[i], "ids": list(b.output_ids[i].ids),
+                        "finish": b.finished_reasons[i], "prompt_tokens": b.prompt_tokens[i],
+                        "completion_tokens": b.completion_tokens[i], "cached_tokens": b.cached_tokens[i],
+                        "logprobs": b.logprobs[i], "trace": b.traces[i],
+                    })
+        return out
+
+    def finish(self, rid: str) -> Optional[common_pb2.FinishReason]:
+        for e in self.entries(rid):
+            if e["finish"].type != common_pb2.FINISH_TYPE_UNSPECIFIED:
+                return e["finish"]
+        return None
+
+    def wait_finish(self, rid: str, timeout: float = 60.0) -> common_pb2.FinishReason:
+        return wait_until(lambda: self.finish(rid), timeout, f"{rid} to finish at the detokenizer", interval=0.05)
+
+
+class TokenizerStream:
+    """A Connect stream: hello_origin first, then whatever the test sends."""
+
+    def __init__(self, address: str, origin: str) -> None:
+        self.origin = origin
+        self.channel = grpc.insecure_channel(address)
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self._q: "queue.Queue[Optional[scheduler_pb2.SchedulerInput]]" = queue.Queue()
+        self._q.put(scheduler_pb2.SchedulerInput(hello_origin=origin))
+        self.outputs: list[scheduler_pb2.SchedulerOutput] = []
+        self.error: Optional[grpc.RpcError] = None
+        self.ended = threading.Event()
+        self._lock = threading.Lock()
+        self._call = self.stub.Connect(iter(self._q.get, None))
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for out in self._call:
+                with self._lock:
+                    self.outputs.append(out)
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.ended.set()
+
+    def send(self, **kw: Any) -> None:
+        self._q.put(scheduler_pb2.SchedulerInput(**kw))
+
+    def generate(self, rid: str, input_ids: list[int], **kw: Any) -> None:
+        sp = kw.pop("sampling_params", None) or common_pb2.SamplingParams()
+        self.send(generate=scheduler_pb2.TokenizedGenerateReqInput(
+            rid=rid, origin=self.origin, input_ids=input_ids, sampling_params=sp, **kw
+        ))
+
+    def snapshot(self) -> list[scheduler_pb2.SchedulerOutput]:
+        with self._lock:
+            return list(self.outputs)
+
+    def wait_output(self, pred: Callable[[scheduler_pb2.SchedulerOutput], bool], timeout: float = 10.0,
+                    what: str = "an output") -> scheduler_pb2.SchedulerOutput:
+        return wait_until(lambda: next((o for o in self.snapshot() if pred(o)), None), timeout, what)
+
+    def call(self, call_id: int, timeout: float = 10.0, **kw: Any) -> scheduler_pb2.SchedulerOutput:
+        self.send(call_id=call_id, **kw)
+        return self.wait_output(lambda o: o.call_id == call_id, timeout, f"reply to call {call_id}")
+
+    def errors(self, rid: str) -> list[scheduler_pb2.RequestError]:
+        return [o.error for o in self.snapshot() if o.WhichOneof("msg") == "error" and o.error.rid == rid]
+
+    def half_close(self) -> None:
+        self._q.put(None)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self.ended.wait(5)
+        self.channel.close()
+
+
+class ServiceThread:
+    """A SchedulerServer on its own event loop (the test talks to it over real gRPC)."""
+
+    def __init__(self, svc: Any, engine: Any) -> None:
+        from meshlm.scheduler.service.server import SchedulerServer
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="scheduler-service", daemon=True)
+        self.thread.start()
+        self.server = SchedulerServer(svc, engine)
+        self.port = self.run(self.server.start(), timeout=180)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        try:
+            self.run(self.server.shutdown(grace_s), timeout=grace_s + 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)

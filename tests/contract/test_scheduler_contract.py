@@ -1,0 +1,492 @@
+"""Contract of meshlm.v1.SchedulerService over real gRPC (docs/ring.md): a real scheduler
+service (tiny random Llama, real SmolLM2 tokenizer) driven through Connect like a tokenizer,
+pushing to in-test recording detokenizers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.service.config import SchedulerServiceConfig
+from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+from .scheduler_harness import (
+    RecordingDetokenizer,
+    ServiceThread,
+    TokenizerStream,
+    build_tiny_llama,
+    wait_until,
+)
+
+SERVICE = "meshlm.v1.SchedulerService"
+PROMPT = [504, 2365, 6354, 16438, 27003, 690, 260]  # "The quick brown fox jumps over the"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def greedy(n: int, **kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm_path: str) -> str:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm_path)
+
+
+def engine_config(model: str) -> SchedulerConfig:
+    return SchedulerConfig(model_path=model, max_total_tokens=4096, load_progress=False)
+
+
+@pytest.fixture(scope="module")
+def detok() -> Iterator[RecordingDetokenizer]:
+    d = RecordingDetokenizer()
+    yield d
+    d.kill()
+
+
+@pytest.fixture(scope="module")
+def service(tiny_llama: str, detok: RecordingDetokenizer) -> Iterator[ServiceThread]:
+    svc = SchedulerServiceConfig(
+        host="127.0.0.1", port=0, scheduler_id="sched-test", detokenizer_addrs=(detok.address,),
+        load_report_interval_s=0.2,
+    )
+    s = ServiceThread(svc, engine_config(tiny_llama))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def tok(service: ServiceThread, request: pytest.FixtureRequest) -> Iterator[TokenizerStream]:
+    t = TokenizerStream(service.address, f"tok-{request.node.name}")
+    yield t
+    t.cancel()
+
+
+def wait_idle(t: TokenizerStream, timeout: float = 2.0, call_base: int = 9000) -> common_pb2.SchedulerLoad:
+    """Poll GetLoad over Connect until nothing runs and no KV is held."""
+    calls = iter(range(call_base, call_base + 10000))
+
+    def idle():
+        load = t.call(next(calls), get_load=scheduler_pb2.GetLoadReq()).load
+        return load if load.num_running_reqs == 0 and load.num_queue_reqs == 0 and load.num_used_tokens == 0 else None
+
+    return wait_until(idle, timeout, "the scheduler to be idle with its KV free", interval=0.05)
+
+
+# ---- service basics ---------------------------------------------------------------------------
+def test_health_reflection_and_model_info(service: ServiceThread, tiny_llama: str) -> None:
+    with grpc.insecure_channel(service.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", SERVICE):
+            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(iter(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+        assert SERVICE in {s.name for s in resp.list_services_response.service}
+        info = scheduler_pb2_grpc.SchedulerServiceStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest())
+    assert info.is_generation and info.architecture == "LlamaForCausalLM"
+    assert info.vocab_size == 49152 and info.context_length == 2048 and list(info.eos_token_ids) == [2]
+    assert info.max_req_input_len == 2047 and Path(info.model_path) == Path(tiny_llama)
+
+
+def test_connect_sends_load_and_answers_controls_by_call_id(tok: TokenizerStream) -> None:
+    first = tok.wait_output(lambda o: True, what="the first output")
+    assert first.WhichOneof("msg") == "load" and first.call_id == 0
+    assert first.load.scheduler_id == "sched-test" and first.load.max_total_num_tokens == 4096
+    assert first.load.max_running_requests > 0
+    # Several calls in flight: each reply carries its own call_id.
+    tok.send(call_id=41, get_load=scheduler_pb2.GetLoadReq())
+    tok.send(call_id=42, flush_cache=scheduler_pb2.FlushCacheReq())
+    tok.send(call_id=43, close_session=scheduler_pb2.CloseSessionReq(session_id="never-opened"))
+    tok.send(call_id=44, abort=scheduler_pb2.AbortReq(rid="nothing-to-abort"))
+    r41 = tok.wait_output(lambda o: o.call_id == 41)
+    r42 = tok.wait_output(lambda o: o.call_id == 42)
+    r43 = tok.wait_output(lambda o: o.call_id == 43)
+    r44 = tok.wait_output(lambda o: o.call_id == 44)
+    assert r41.WhichOneof("msg") == "load"
+    assert r42.WhichOneof("msg") == "flush_cache" and r42.flush_cache.success
+    assert r43.WhichOneof("msg") == "ack" and r43.ack is False  # no such session
+    assert r44.WhichOneof("msg") == "ack" and r44.ack is True
+    # Periodic loads keep coming (0.2 s busy, 0.8 s idle in this service).
+    n = sum(o.WhichOneof("msg") == "load" and o.call_id == 0 for o in tok.snapshot())
+    wait_until(lambda: sum(o.WhichOneof("msg") == "load" and o.call_id == 0 for o in tok.snapshot()) > n, 3.0,
+               "a periodic load report")
+
+
+def test_first_message_must_be_hello(service: ServiceThread) -> None:
+    with grpc.insecure_channel(service.address) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        call = stub.Connect(iter([scheduler_pb2.SchedulerInput(get_load=scheduler_pb2.GetLoadReq())]))
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello_origin" in e.value.details()
+
+
+# ---- the ring ---------------------------------------------------------------------------------
+def test_generate_reaches_detokenizer_with_origin_seed_offsets(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    rid = "gen-stream"
+    tok.generate(rid, PROMPT, sampling_params=greedy(12, skip_special_tokens=False), stream=True,
+                 trace=common_pb2.TraceContext(traceparent=TRACEPARENT))
+    finish = detok.wait_finish(rid)
+    assert detok.snapshot()[0].hello_scheduler == "sched-test"
+    entries = detok.entries(rid)
+    assert len(entries) >= 2  # streamed: one delta per step
+    assert {e["origin"] for e in entries} == {tok.origin}
+    assert {e["scheduler_id"] for e in entries} == {"sched-test"}
+    seed = entries[0]["seed"]
+    assert seed.present and list(seed.prompt_tail_ids) == PROMPT[-5:]
+    assert seed.skip_special_tokens is False and seed.spaces_between_special_tokens is True
+    assert not any(e["seed"].present for e in entries[1:])
+    offset = 0
+    for e in entries:  # contiguous deltas
+        assert e["offset"] == offset
+        offset += len(e["ids"])
+    assert offset == 12
+    assert finish.type == common_pb2.FINISH_TYPE_LENGTH and finish.length == 12
+    last = entries[-1]
+    assert last["completion_tokens"] == 12 and last["prompt_tokens"] == len(PROMPT)
+    assert all(e["trace"].traceparent == TRACEPARENT for e in entries)
+    assert not tok.errors(rid)
+
+
+def test_non_streaming_request_emits_once(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    rid = "gen-nostream"
+    tok.generate(rid, PROMPT, sampling_params=greedy(6), stream=False)
+    detok.wait_finish(rid)
+    entries = detok.entries(rid)
+    assert len(entries) == 1 and entries[0]["seed"].present and entries[0]["offset"] == 0
+    assert len(entries[0]["ids"]) == 6
+
+
+def test_logprobs_travel_as_logprob_deltas(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    rid = "gen-logprobs"
+    tok.generate(rid, PROMPT, sampling_params=greedy(4), stream=True, return_logprob=True,
+                 logprob_start_len=0, top_logprobs_num=2)
+    detok.wait_finish(rid)
+    entries = detok.entries(rid)
+    first = entries[0]["logprobs"]
+    assert [t.token_id for t in first.input_token_logprobs] == PROMPT
+    assert first.input_token_logprobs[0].has_logprob is False  # the first prompt token has none
+    assert all(t.has_logprob for t in first.input_token_logprobs[1:])
+    assert entries[0]["seed"].want_logprob_text
+    out = [t for e in entries for t in e["logprobs"].output_token_logprobs]
+    ids = [i for e in entries for i in e["ids"]]
+    assert [t.token_id for t in out] == ids and all(t.has_logprob and t.logprob <= 0 for t in out)
+    tops = [row for e in entries for row in e["logprobs"].output_top_logprobs]
+    assert len(tops) == 4 and all(len(row.entries) == 2 for row in tops)
+    assert not any(e["logprobs"].input_token_logprobs for e in entries[1:])  # sent once
+
+
+def test_bad_request_abort_travels_the_ring(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    tok.generate("bad-temp", PROMPT, sampling_params=common_pb2.SamplingParams(temperature=-1.0))
+    tok.generate("bad-ids", [49152 + 7], sampling_params=greedy(2))
+    tok.generate("bad-regex", PROMPT, sampling_params=common_pb2.SamplingParams(regex="a+"))
+    for rid, field in (("bad-temp", "temperature"), ("bad-ids", "input_ids"), ("bad-regex", "regex")):
+        f = detok.wait_finish(rid)
+        assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 400
+        assert field in f.message
+        assert detok.entries(rid)[0]["seed"].present
+        assert not tok.errors(rid)  # rejections travel around the ring, not on Connect
+
+
+def test_duplicate_live_rid_is_rejected_on_connect(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    tok.generate("dup", PROMPT, sampling_params=greedy(300), stream=True)
+    wait_until(lambda: detok.entries("dup"), 10, "the first output of dup")
+    tok.generate("dup", PROMPT, sampling_params=greedy(2))
+    err = tok.wait_output(lambda o: o.WhichOneof("msg") == "error" and o.error.rid == "dup").error
+    assert err.reason.type == common_pb2.FINISH_TYPE_ABORT and err.reason.status_code == 400
+    assert "duplicate" in err.reason.message
+    tok.send(abort=scheduler_pb2.AbortReq(rid="dup"))
+    f = detok.wait_finish("dup")
+    assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 499
+
+
+def test_closing_connect_aborts_origin_requests_and_frees_kv(service: ServiceThread, detok: RecordingDetokenizer) -> None:
+    a = TokenizerStream(service.address, "tok-going-away")
+    b = TokenizerStream(service.address, "tok-staying")
+    try:
+        b.generate("b-short", PROMPT, sampling_params=greedy(4))
+        for i in range(3):
+            a.generate(f"a-long-{i}", PROMPT + [i], sampling_params=greedy(1500), stream=True)
+        wait_until(lambda: all(detok.entries(f"a-long-{i}") for i in range(3)), 15, "outputs of a's requests")
+        a.cancel()  # the tokenizer goes away
+        for i in range(3):
+            f = detok.wait_finish(f"a-long-{i}", timeout=15)
+            assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 499
+            assert "tok-going-away" in f.message
+        assert detok.wait_finish("b-short").type == common_pb2.FINISH_TYPE_LENGTH
+        load = wait_idle(b, timeout=2.0)
+        assert load.num_used_tokens == 0 and load.num_running_reqs == 0
+    finally:
+        b.cancel()
+
+
+# ---- sessions ---------------------------------------------------------------------------------
+def test_sessions_two_turns_close_and_unknown(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    opened = tok.call(1, open_session=scheduler_pb2.OpenSessionReq(session_id="sess-1", capacity_of_str_len=0))
+    assert opened.WhichOneof("msg") == "open_session"
+    assert opened.open_session.success and opened.open_session.session_id == "sess-1"
+    again = tok.call(2, open_session=scheduler_pb2.OpenSessionReq(session_id="sess-1"))
+    assert not again.open_session.success and "already exists" in again.open_session.message
+    generated = tok.call(3, open_session=scheduler_pb2.OpenSessionReq())
+    assert generated.open_session.success and generated.open_session.session_id
+
+    tok.generate("turn-1", PROMPT, sampling_params=greedy(5), session_id="sess-1")
+    detok.wait_finish("turn-1")
+    t1 = detok.entries("turn-1")
+    t1_out = [i for e in t1 for i in e["ids"]]
+    new = [28, 1041, 42]
+    tok.generate("turn-2", new, sampling_params=greedy(3), session_id="sess-1")
+    assert detok.wait_finish("turn-2").type == common_pb2.FINISH_TYPE_LENGTH
+    t2 = detok.entries("turn-2")
+    assert t2[-1]["prompt_tokens"] == len(PROMPT) + len(t1_out) + len(new)
+    assert t2[-1]["cached_tokens"] >= len(PROMPT)  # the session's prefix came from the radix cache
+    assert list(t2[0]["seed"].prompt_tail_ids) == (PROMPT + t1_out + new)[-5:]
+    # A turn may name the turn it continues.
+    tok.generate("turn-3", new, sampling_params=greedy(2), session_id="sess-1", session_rid="turn-1")
+    detok.wait_finish("turn-3")
+    assert detok.entries("turn-3")[-1]["prompt_tokens"] == len(PROMPT) + len(t1_out) + len(new)
+    tok.generate("turn-bad-rid", new, sampling_params=greedy(2), session_id="sess-1", session_rid="nope")
+    f = detok.wait_finish("turn-bad-rid")
+    assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 400 and "Invalid request session id" in f.message
+
+    closed = tok.call(4, close_session=scheduler_pb2.CloseSessionReq(session_id="sess-1"))
+    assert closed.WhichOneof("msg") == "ack" and closed.ack is True
+    tok.generate("after-close", new, sampling_params=greedy(2), session_id="sess-1")
+    f = detok.wait_finish("after-close")
+    assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 404 and "sess-1" in f.message
+    tok.generate("unknown-session", new, sampling_params=greedy(2), session_id="no-such-session")
+    f = detok.wait_finish("unknown-session")
+    assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 404
+
+
+def test_session_turn_must_follow_a_finished_turn(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    assert tok.call(1, open_session=scheduler_pb2.OpenSessionReq(session_id="sess-busy")).open_session.success
+    tok.generate("busy-1", PROMPT, sampling_params=greedy(1000), stream=True, session_id="sess-busy")
+    wait_until(lambda: detok.entries("busy-1"), 10, "busy-1 to run")
+    tok.generate("busy-2", [28], sampling_params=greedy(2), session_id="sess-busy")
+    f = detok.wait_finish("busy-2")
+    assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 400
+    assert "Invalid request session id" in f.message and "not finished" in f.message
+    tok.send(abort=scheduler_pb2.AbortReq(rid="busy-1"))
+    detok.wait_finish("busy-1")
+    assert tok.call(2, close_session=scheduler_pb2.CloseSessionReq(session_id="sess-busy")).ack
+
+
+# ---- tracing ----------------------------------------------------------------------------------
+def test_phase_spans_are_children_of_the_request_trace(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        pytest.skip("another tracer provider is installed in this process")
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tok.generate("traced", PROMPT, sampling_params=greedy(5), stream=True,
+                 trace=common_pb2.TraceContext(traceparent=TRACEPARENT))
+    detok.wait_finish("traced")
+
+    def mine():
+        spans = [s for s in exporter.get_finished_spans() if s.attributes.get("meshlm.rid") == "traced"]
+        return spans if len(spans) >= 3 else None
+
+    spans = {s.name: s for s in wait_until(mine, 5, "three scheduler spans")}
+    assert set(spans) == {"scheduler.queue", "scheduler.prefill", "scheduler.decode"}
+    for s in spans.values():
+        assert format(s.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
+        assert format(s.parent.span_id, "016x") == TRACEPARENT.split("-")[2]
+    q, p, d = spans["scheduler.queue"], spans["scheduler.prefill"], spans["scheduler.decode"]
+    assert q.start_time <= q.end_time <= p.end_time <= d.end_time
+
+
+# ---- detokenizer fail-over --------------------------------------------------------------------
+def test_detokenizer_failover_resyncs_and_completes(tiny_llama: str) -> None:
+    d1, d2 = RecordingDetokenizer(), RecordingDetokenizer()
+    svc = SchedulerServiceConfig(
+        host="127.0.0.1", port=0, scheduler_id="sched-failover", detokenizer_addrs=(d1.address, d2.address),
+    )
+    service = ServiceThread(svc, engine_config(tiny_llama))
+    tok = TokenizerStream(service.address, "tok-failover")
+    try:
+        active, standby = wait_until(
+            lambda: (d1, d2) if d1.snapshot() else (d2, d1) if d2.snapshot() else None, 10, "a Push stream"
+        )
+        assert active.snapshot()[0].hello_scheduler == "sched-failover"
+        n = 250
+        tok.generate("fo", PROMPT, sampling_params=greedy(n), stream=True)
+        wait_until(lambda: len(active.entries("fo")) >= 2, 10, "fo to stream to the first detokenizer")
+        active.kill()  # mid-generation
+        finish = standby.wait_finish("fo", timeout=60)
+        before = [i for e in active.entries("fo") for i in e["ids"]]
+        msgs = standby.snapshot()
+        assert msgs[0].hello_scheduler == "sched-failover"
+        entries = standby.entries("fo")
+        resync = entries[0]
+        assert resync["seed"].present and list(resync["seed"].prompt_tail_ids) == PROMPT[-5:]
+        assert resync["offset"] == 0 and resync["ids"][: len(before)] == before
+        offset = 0
+        for e in entries:
+            assert e["offset"] == offset
+            offset += len(e["ids"])
+        assert offset == n and finish.type == common_pb2.FINISH_TYPE_LENGTH
+        assert not any(e["seed"].present for e in entries[1:])
+        assert not tok.errors("fo")
+        # The stream now goes to the standby: a new request arrives there with its seed.
+        tok.generate("after-fo", PROMPT, sampling_params=greedy(3))
+        standby.wait_finish("after-fo")
+        assert standby.entries("after-fo")[0]["seed"].present
+    finally:
+        tok.cancel()
+        service.stop()
+        d1.kill()
+        d2.kill()
+
+
+def test_no_detokenizer_fails_requests_with_unavailable(tiny_llama: str) -> None:
+    dead = RecordingDetokenizer()
+    dead.kill()  # nothing listens there any more
+    svc = SchedulerServiceConfig(
+        host="127.0.0.1", port=0, scheduler_id="sched-nodetok", detokenizer_addrs=(dead.address,),
+        detokenizer_timeout_s=1.0,
+    )
+    service = ServiceThread(svc, engine_config(tiny_llama))
+    tok = TokenizerStream(service.address, "tok-nodetok")
+    try:
+        t0 = time.monotonic()
+        tok.generate("orphan", PROMPT, sampling_params=greedy(1500), stream=True)
+        err = tok.wait_output(lambda o: o.WhichOneof("msg") == "error", timeout=20).error
+        assert err.rid == "orphan" and err.reason.status_code == 503
+        assert "no detokenizer" in err.reason.message
+        assert 0.9 <= time.monotonic() - t0 < 20
+        wait_idle(tok, timeout=3.0)  # the request was aborted: KV is back
+    finally:
+        tok.cancel()
+        service.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_loop_crash_fails_requests_and_stops_the_service(tiny_llama: str) -> None:
+    d = RecordingDetokenizer()
+    svc = SchedulerServiceConfig(host="127.0.0.1", port=0, scheduler_id="sched-crash", detokenizer_addrs=(d.address,))
+    service = ServiceThread(svc, engine_config(tiny_llama))
+    tok = TokenizerStream(service.address, "tok-crash")
+    try:
+        runtime = service.server.runtime
+        assert runtime is not None
+
+        def boom(batch):
+            raise RuntimeError("injected forward failure")
+
+        runtime.scheduler.run_batch = boom  # the next forward crashes the loop thread
+        tok.generate("doomed", PROMPT, sampling_params=greedy(4))
+        err = tok.wait_output(lambda o: o.WhichOneof("msg") == "error", timeout=20).error
+        assert err.rid == "doomed" and err.reason.status_code == 500 and "crashed" in err.reason.message
+        assert tok.ended.wait(10)  # the service stopped: the stream ends
+        assert service.server.exit_code == 1
+    finally:
+        tok.cancel()
+        service.stop()
+        d.kill()
+
+
+# ---- the process: python -m meshlm.scheduler, env flags, metrics, SIGTERM drain -----------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_process_serves_metrics_and_drains_on_sigterm(tiny_llama: str) -> None:
+    d = RecordingDetokenizer()
+    port, metrics_port = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "MESHLM_SCHEDULER_MAX_TOTAL_TOKENS": "3000",  # engine flag from the environment
+        "MESHLM_SCHEDULER_DETOKENIZER_ADDRS": d.address,
+        "MESHLM_SCHEDULER_LOAD_REPORT_INTERVAL_S": "0.2",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshlm.scheduler", "--host", "127.0.0.1", "--port", str(port),
+         "--scheduler-id", "sched-proc", "--model-path", tiny_llama, "--no-load-progress",
+         "--metrics-port", str(metrics_port), "--grace-period-s", "60", "--log-level", "warning"],
+        env=env,
+    )
+    address = f"127.0.0.1:{port}"
+    tok = None
+    try:
+        def serving() -> bool:
+            try:
+                with grpc.insecure_channel(address) as ch:
+                    st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1)
+                    return st.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                assert proc.poll() is None, "the scheduler exited during start-up"
+                return False
+
+        wait_until(serving, 120, "the scheduler process to serve", interval=0.2)
+        tok = TokenizerStream(address, "tok-proc")
+        load = tok.wait_output(lambda o: o.WhichOneof("msg") == "load").load
+        assert load.max_total_num_tokens == 3000 and load.scheduler_id == "sched-proc"
+        tok.generate("warm", PROMPT, sampling_params=greedy(5))
+        d.wait_finish("warm")
+
+        def metrics() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+                return r.read().decode()
+
+        def gauges_set() -> str | None:
+            t = metrics()
+            return t if "meshlm:max_total_num_tokens 3000.0" in t else None
+
+        text = wait_until(gauges_set, 5, "the load gauges", interval=0.1)
+        for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "token_usage", "cache_hit_rate",
+                     "num_retracted_reqs", "queue_time_seconds_bucket", "cached_tokens_total"):
+            assert f"meshlm:{name}" in text, name
+        assert f"meshlm:prompt_tokens_total {float(len(PROMPT))}" in text
+        assert "meshlm:generation_tokens_total 5.0" in text
+
+        tok.generate("running", PROMPT, sampling_params=greedy(120), stream=True)
+        wait_until(lambda: d.entries("running"), 10, "the long request to run")
+        proc.send_signal(signal.SIGTERM)
+
+        def not_serving() -> bool:
+            try:
+                with grpc.insecure_channel(address) as ch:
+                    st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1)
+                    return st.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            except grpc.RpcError:
+                return False
+
+        wait_until(not_serving, 5, "NOT_SERVING after SIGTERM")
+        tok.generate("too-late", PROMPT, sampling_params=greedy(2))
+        err = tok.wait_output(lambda o: o.WhichOneof("msg") == "error" and o.error.rid == "too-late").error
+        assert err.reason.status_code == 503 and "shutting down" in err.reason.message
+        finish = d.wait_finish("running", timeout=60)  # the running request finishes
+        assert finish.type == common_pb2.FINISH_TYPE_LENGTH and finish.length == 120
+        assert proc.wait(timeout=30) == 0
+        assert tok.ended.wait(5)  # the Connect stream was ended by the scheduler
+    finally:
+        if tok is not None:
+            tok.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        d.kill()

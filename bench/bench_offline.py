@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 TARGETS = {"a": 1.5, "b": 2.5}  # ours / HF-best
 OVERHEAD_TARGET = 0.15  # share of a decode step outside the model forward, workload (a)
@@ -39,24 +39,33 @@ TOKEN_LO = 100  # random ids are drawn from [TOKEN_LO, vocab - TOKEN_LO): no spe
 
 
 # ---- arguments ---------------------------------------------------------------------------------
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 16 prompts, (a) 128 in x 32 out, (b) in 32-256 / out 16-64, HF batch sizes 8,16")
-    p.add_argument("--num-prompts", type=int, default=None, help="prompts per workload (default 64, quick 16)")
+                   help="smoke run: 16 prompts, (a) 128 in x 32 out, (b) in 32-256 / out 16-64, "
+                        "HF batch sizes 8,16")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per workload (default 64, quick 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default 0)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of both systems (default float32)")
     p.add_argument("--hf-batch-sizes", default=None,
-                   help="comma-separated static batch sizes for HF (default 8,16,32,64; quick 8,16)")
+                   help="comma-separated HF static batch sizes (default 8,16,32,64; quick 8,16)")
     p.add_argument("--workload", default="both", choices=("a", "b", "both"))
     p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="engine KV pool in tokens (default: sum of input+output over the workload + 2048)")
+                   help="engine KV pool in tokens (default: sum of input+output over the workload "
+                        "+ 2048)")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="engine max running requests (default max(64, num prompts))")
-    p.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every worker (default: torch's)")
-    p.add_argument("--systems", default="ours,hf", help="which systems to run: ours,hf (default both)")
+    p.add_argument("--model-path", default=None,
+                   help="HF dir or .gguf (default: packaged SmolLM2-135M)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads in every worker (default: torch's; "
+                        "1 on a busy machine)")
+    p.add_argument("--systems", default="ours,hf",
+                   help="which systems to run: ours,hf (default both)")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
     # internal: run one measurement in this process
     p.add_argument("--_worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -64,7 +73,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     q = args.quick
     if args.num_prompts is None:
         args.num_prompts = 16 if q else 64
-    args.hf_batch_sizes = [int(x) for x in (args.hf_batch_sizes or ("8,16" if q else "8,16,32,64")).split(",") if x]
+    sizes = args.hf_batch_sizes or ("8,16" if q else "8,16,32,64")
+    args.hf_batch_sizes = [int(x) for x in sizes.split(",") if x]
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     # (a): fixed lengths; (b): uniform ranges
     args.a_in, args.a_out = (128, 32) if q else (256, 128)
@@ -92,8 +102,9 @@ def make_workloads(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]
         out_lens = [rng.randint(*args.b_out) for _ in range(n)]
         out.append({
             "name": "b",
-            "desc": f"{n} prompts, in U[{args.b_in[0]},{args.b_in[1]}] (mean {sum(in_lens) / n:.0f}), "
-                    f"out U[{args.b_out[0]},{args.b_out[1]}] (mean {sum(out_lens) / n:.0f})",
+            "desc": f"{n} prompts, in U[{args.b_in[0]},{args.b_in[1]}] "
+                    f"(mean {sum(in_lens) / n:.0f}), out U[{args.b_out[0]},{args.b_out[1]}] "
+                    f"(mean {sum(out_lens) / n:.0f})",
             "prompts": [ids(rng, k) for k in in_lens], "output_lens": out_lens,
         })
     return out
@@ -102,13 +113,34 @@ def make_workloads(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]
 def warmup_prompts(seed: int, vocab: int, count: int, length: int) -> list[list[int]]:
     """Distinct from every timed prompt's stream, so the radix cache gives the timed run nothing."""
     rng = random.Random(f"warmup-{seed}")
-    return [[rng.randrange(TOKEN_LO, vocab - TOKEN_LO) for _ in range(length)] for _ in range(count)]
+    return [[rng.randrange(TOKEN_LO, vocab - TOKEN_LO) for _ in range(length)]
+            for _ in range(count)]
 
 
 # ---- workers (each in its own process) ---------------------------------------------------------
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def _cpu_s() -> tuple[float, float]:
+    """(this process's CPU seconds, the whole machine's busy CPU seconds from /proc/stat)."""
+    t = os.times()
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        busy = float("nan")
+    return t.user + t.system, busy
+
+
+def _cpu_delta(c0: tuple[float, float], elapsed: float) -> dict[str, float]:
+    """Cores this process kept busy, and cores other processes took, over the timed phase."""
+    c1 = _cpu_s()
+    own, machine = c1[0] - c0[0], c1[1] - c0[1]
+    return {"cpu_s": own, "own_cores": own / elapsed,
+            "other_cores": max(machine - own, 0.0) / elapsed}
 
 
 def _peak_rss_mib() -> float:
@@ -121,13 +153,16 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     prompts, out_lens = spec["prompts"], spec["output_lens"]
     t_load = time.perf_counter()
     engine = Engine(
-        model_path=spec["model_path"], dtype=spec["dtype"], max_total_tokens=spec["max_total_tokens"],
-        max_running_requests=spec["max_running_requests"], random_seed=spec["seed"], load_progress=False,
+        model_path=spec["model_path"], dtype=spec["dtype"],
+        max_total_tokens=spec["max_total_tokens"],
+        max_running_requests=spec["max_running_requests"],
+        random_seed=spec["seed"], load_progress=False,
     )
     load_s = time.perf_counter() - t_load
     try:
         def req(ids: list[int], n: int) -> dict[str, Any]:
-            return {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
+            sp = {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
+            return {"input_ids": ids, "sampling_params": sp}
 
         # Warm-up: a short prefill + decode at a modest batch size; then drop its cached KV.
         warm = warmup_prompts(spec["seed"], spec["vocab"], min(8, len(prompts)), 32)
@@ -147,9 +182,10 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         keys = ("decode_steps", "decode_forward_s", "decode_step_s", "generation_tokens",
                 "num_retracted", "prompt_tokens", "cached_tokens")
         s0 = {k: getattr(st, k) for k in keys}
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_s(), time.perf_counter()
         results = engine.generate_batch_sync([req(p, n) for p, n in zip(prompts, out_lens)])
         elapsed = time.perf_counter() - t0
+        cpu = _cpu_delta(c0, elapsed)
         s1 = {k: getattr(st, k) for k in keys}
         d = {k: s1[k] - s0[k] for k in keys}
         got = [len(r["output_ids"]) for r in results]
@@ -158,12 +194,14 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"engine produced wrong output lengths (idx, got, want): {bad[:5]}")
         runner = engine.scheduler.tp_worker.model_runner
         return {
-            "system": "ours", "elapsed_s": elapsed, "useful_tokens": sum(out_lens), "load_s": load_s,
+            "system": "ours", "elapsed_s": elapsed, **cpu, "useful_tokens": sum(out_lens),
+            "load_s": load_s,
             "decode_steps": d["decode_steps"], "decode_forward_s": d["decode_forward_s"],
             "decode_step_s": d["decode_step_s"], "decode_tokens": d["generation_tokens"],
             "num_retracted": d["num_retracted"], "cached_tokens": d["cached_tokens"],
             "kv_pool_gib": runner.memory_report()["kv_pool_gib"],
-            "max_total_tokens": runner.max_total_num_tokens, "max_running_requests": runner.max_running_requests,
+            "max_total_tokens": runner.max_total_num_tokens,
+            "max_running_requests": runner.max_running_requests,
             "rss_before_mib": rss_before, "peak_rss_mib": _peak_rss_mib(),
         }
     finally:
@@ -214,14 +252,17 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
 
     prompts, out_lens = spec["prompts"], spec["output_lens"]
     generated = 0
-    t0 = time.perf_counter()
+    c0, t0 = _cpu_s(), time.perf_counter()
     for s in range(0, len(prompts), bs):
         generated += run_batch(prompts[s:s + bs], max(out_lens[s:s + bs]))
     elapsed = time.perf_counter() - t0
-    padded_in = sum(max(len(p) for p in prompts[s:s + bs]) * len(prompts[s:s + bs]) for s in range(0, len(prompts), bs))
+    cpu = _cpu_delta(c0, elapsed)
+    batches = [prompts[s:s + bs] for s in range(0, len(prompts), bs)]
+    padded_in = sum(max(len(p) for p in b) * len(b) for b in batches)
     return {
-        "system": "hf", "batch_size": bs, "elapsed_s": elapsed, "useful_tokens": sum(out_lens), "load_s": load_s,
-        "generated_tokens": generated, "input_tokens": sum(len(p) for p in prompts), "padded_input_tokens": padded_in,
+        "system": "hf", "batch_size": bs, "elapsed_s": elapsed, **cpu,
+        "useful_tokens": sum(out_lens), "load_s": load_s, "generated_tokens": generated,
+        "input_tokens": sum(len(p) for p in prompts), "padded_input_tokens": padded_in,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "rss_before_mib": rss_before, "peak_rss_mib": _peak_rss_mib(),
     }
@@ -244,12 +285,15 @@ def worker_main(spec_path: str, out_path: str) -> None:
 # ---- driver ------------------------------------------------------------------------------------
 def launch(spec: dict[str, Any], tmp: str) -> dict[str, Any]:
     tag = f"{spec['system']}-{spec['workload']}-{spec.get('batch_size', 'cb')}"
-    spec_path, out_path = os.path.join(tmp, tag + ".spec.json"), os.path.join(tmp, tag + ".out.json")
+    spec_path = os.path.join(tmp, tag + ".spec.json")
+    out_path = os.path.join(tmp, tag + ".out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", spec_path, out_path],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_worker", spec_path, out_path],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
     if proc.returncode != 0 or not os.path.exists(out_path):
         sys.stdout.write(proc.stdout[-4000:])
         raise SystemExit(f"worker {tag} failed (exit {proc.returncode})")
@@ -279,9 +323,10 @@ def main() -> None:
     workloads = make_workloads(args, vocab)
     load1 = os.getloadavg()[0]
     print(f"model {path}  dtype {args.dtype}  torch {torch.__version__}  "
-          f"threads {args.threads or torch.get_num_threads()}  cpus {os.cpu_count()}  load avg {load1:.2f}")
-    print(f"seed {args.seed}  HF batch sizes {args.hf_batch_sizes}  (each measurement in a fresh subprocess)\n",
-          flush=True)
+          f"threads {args.threads or torch.get_num_threads()}  cpus {os.cpu_count()}  "
+          f"load avg {load1:.2f}")
+    print(f"seed {args.seed}  HF batch sizes {args.hf_batch_sizes}  "
+          "(each measurement in a fresh subprocess)\n", flush=True)
 
     base = {"model_path": args.model_path, "dtype": args.dtype, "seed": args.seed, "vocab": vocab,
             "threads": args.threads}
@@ -291,49 +336,63 @@ def main() -> None:
         for wl in workloads:
             name = wl["name"]
             need = sum(len(p) + n for p, n in zip(wl["prompts"], wl["output_lens"]))
-            spec = {**base, "workload": name, "prompts": wl["prompts"], "output_lens": wl["output_lens"]}
+            spec = {**base, "workload": name, "prompts": wl["prompts"],
+                    "output_lens": wl["output_lens"]}
             res: dict[str, Any] = {"desc": wl["desc"], "hf": []}
             if "ours" in args.systems:
-                r = launch({**spec, "system": "ours",
-                            "max_total_tokens": args.max_total_tokens or need + 2048,
-                            "max_running_requests": args.max_running_requests or max(64, args.num_prompts)}, tmp)
-                print(f"[{name}] ours      {r['tps']:8.1f} tok/s  ({r['elapsed_s']:.1f}s, peak RSS {r['peak_rss_mib']:.0f} MiB)",
-                      flush=True)
+                r = launch({
+                    **spec, "system": "ours",
+                    "max_total_tokens": args.max_total_tokens or need + 2048,
+                    "max_running_requests": args.max_running_requests or max(64, args.num_prompts),
+                }, tmp)
+                progress(f"[{name}] ours     ", r)
                 res["ours"] = r
             if "hf" in args.systems:
                 for bs in args.hf_batch_sizes:
                     r = launch({**spec, "system": "hf", "batch_size": bs}, tmp)
-                    print(f"[{name}] HF bs={bs:<3d}  {r['tps']:8.1f} tok/s  ({r['elapsed_s']:.1f}s, "
-                          f"peak RSS {r['peak_rss_mib']:.0f} MiB)", flush=True)
+                    progress(f"[{name}] HF bs={bs:<3d}", r)
                     res["hf"].append(r)
             all_res[name] = res
     total_s = time.perf_counter() - t_start
     report(args, all_res, total_s)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "_worker"}, "results": all_res}, f, indent=1)
+            kept = {k: v for k, v in vars(args).items() if k != "_worker"}
+            json.dump({"args": kept, "results": all_res}, f, indent=1)
+
+
+def progress(label: str, r: dict[str, Any]) -> None:
+    print(f"{label} {r['tps']:8.1f} tok/s  ({r['elapsed_s']:.1f}s, peak RSS "
+          f"{r['peak_rss_mib']:.0f} MiB, cores own {r['own_cores']:.2f} "
+          f"others {r['other_cores']:.2f})", flush=True)
 
 
 def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s: float) -> None:
-    w = [22, 9, 9, 9, 10, 9, 10]
+    w = [22, 9, 9, 9, 10, 9, 10, 6, 7]
     summary: list[list[str]] = []
     for name, res in all_res.items():
         print(f"\n=== workload ({name}): {res['desc']}, ignore_eos, dtype {args.dtype} ===")
-        print(fmt_row(["system", "useful", "wall s", "tok/s", "vs HF-best", "peak RSS", "RSS@start"], w))
-        print(fmt_row(["", "out tok", "", "", "", "MiB", "MiB"], w))
+        print(fmt_row(["system", "useful", "wall s", "tok/s", "vs HF-best", "peak RSS",
+                       "RSS@start", "cores", "others"], w))
+        print(fmt_row(["", "out tok", "", "", "", "MiB", "MiB", "own", "cores"], w))
         hf = res["hf"]
         best = max(hf, key=lambda r: r["tps"]) if hf else None
         ours = res.get("ours")
-        rows = ([("meshlm (continuous)", ours)] if ours else []) + [(f"HF generate bs={r['batch_size']}", r) for r in hf]
+        rows = [("meshlm (continuous)", ours)] if ours else []
+        rows += [(f"HF generate bs={r['batch_size']}", r) for r in hf]
         for label, r in rows:
             rel = f"{r['tps'] / best['tps']:.2f}x" if best else "-"
-            print(fmt_row([label, str(r["useful_tokens"]), f"{r['elapsed_s']:.1f}", f"{r['tps']:.1f}", rel,
-                           f"{r['peak_rss_mib']:.0f}", f"{r['rss_before_mib']:.0f}"], w))
+            print(fmt_row([label, str(r["useful_tokens"]), f"{r['elapsed_s']:.1f}",
+                           f"{r['tps']:.1f}", rel, f"{r['peak_rss_mib']:.0f}",
+                           f"{r['rss_before_mib']:.0f}",
+                           f"{r['own_cores']:.2f}", f"{r['other_cores']:.2f}"], w))
         for r in hf:
-            if r["generated_tokens"] != r["useful_tokens"] or r["padded_input_tokens"] != r["input_tokens"]:
-                print(f"  HF bs={r['batch_size']}: generated {r['generated_tokens']} tokens for {r['useful_tokens']} useful "
-                      f"({r['generated_tokens'] / r['useful_tokens']:.2f}x), prefilled {r['padded_input_tokens']} "
-                      f"padded tokens for {r['input_tokens']} real ({r['padded_input_tokens'] / r['input_tokens']:.2f}x)")
+            gen, useful = r["generated_tokens"], r["useful_tokens"]
+            pad_in, real_in = r["padded_input_tokens"], r["input_tokens"]
+            if gen != useful or pad_in != real_in:
+                print(f"  HF bs={r['batch_size']}: generated {gen} tokens for {useful} useful "
+                      f"({gen / useful:.2f}x), prefilled {pad_in} padded tokens for {real_in} "
+                      f"real ({pad_in / real_in:.2f}x)")
         if hf:
             print(f"  HF attention implementation: {hf[0]['attn_implementation']}")
         ratio = ours["tps"] / best["tps"] if ours and best else None
@@ -343,16 +402,20 @@ def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s
                 overhead = 1 - ours["decode_forward_s"] / ours["decode_step_s"]
                 mean_bs = ours["decode_tokens"] / ours["decode_steps"]
                 per_step = ours["decode_step_s"] / ours["decode_steps"]
-                print(f"  ours: {ours['decode_steps']} decode steps, mean decode batch {mean_bs:.1f}, "
-                      f"{per_step * 1e3:.1f} ms/step, of which outside the model forward {overhead * 100:.1f}% "
-                      f"({(ours['decode_step_s'] - ours['decode_forward_s']) / ours['decode_steps'] * 1e3:.1f} ms); "
-                      f"decode steps {ours['decode_step_s'] / ours['elapsed_s'] * 100:.0f}% of wall")
-            print(f"  ours: KV pool {ours['max_total_tokens']} tokens ({ours['kv_pool_gib']:.2f} GiB, preallocated), "
-                  f"max_running_requests {ours['max_running_requests']}, retracted {ours['num_retracted']}, "
-                  f"cache hits {ours['cached_tokens']} tokens")
+                outside_ms = per_step * overhead * 1e3
+                print(f"  ours: {ours['decode_steps']} decode steps, mean decode batch "
+                      f"{mean_bs:.1f}, "
+                      f"{per_step * 1e3:.1f} ms/step, of which outside the model forward "
+                      f"{overhead * 100:.1f}% ({outside_ms:.1f} ms); decode steps "
+                      f"{ours['decode_step_s'] / ours['elapsed_s'] * 100:.0f}% of wall")
+            print(f"  ours: KV pool {ours['max_total_tokens']} tokens "
+                  f"({ours['kv_pool_gib']:.2f} GiB, preallocated), max_running_requests "
+                  f"{ours['max_running_requests']}, "
+                  f"retracted {ours['num_retracted']}, cache hits {ours['cached_tokens']} tokens")
         if ratio is not None:
             tgt = TARGETS[name]
-            print(f"  ratio ours / HF-best (bs={best['batch_size']}): {ratio:.2f}x   target >= {tgt}x  "
+            print(f"  ratio ours / HF-best (bs={best['batch_size']}): {ratio:.2f}x   "
+                  f"target >= {tgt}x  "
                   f"{'PASS' if ratio >= tgt else 'MISS'}")
         summary.append([
             f"({name})",
@@ -364,15 +427,33 @@ def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s
             f"{ours['peak_rss_mib']:.0f}" if ours else "-",
             f"{best['peak_rss_mib']:.0f}" if best else "-",
         ])
-    print(f"\n=== summary ({'quick' if args.quick else 'full'}, {args.num_prompts} prompts, dtype {args.dtype}, "
-          f"seed {args.seed}, {total_s:.0f}s total) ===")
+    runs = [r for res in all_res.values()
+            for r in ([res["ours"]] if "ours" in res else []) + res["hf"]]
+    cpus = os.cpu_count() or 1
+    # Disturbed: other processes wanted cores this run's torch threads needed.
+    hit = [r for r in runs if r["other_cores"] > 0.1
+           and r["torch_threads"] + r["other_cores"] > cpus + 0.1]
+    if hit:
+        worst = max(r["other_cores"] for r in hit)
+        print(f"\nWARNING: in {len(hit)} of {len(runs)} timed runs other processes competed "
+              f"for the {cpus} cores (up to {worst:.2f} cores); those numbers are disturbed.")
+        if max(r["torch_threads"] for r in runs) > 1:
+            print("  With 2+ torch threads on a busy machine OpenMP matmuls slow down "
+                  "several-fold; rerun on a quiet machine or with --threads 1 (applied to both "
+                  "systems).")
+    threads = runs[0]["torch_threads"] if runs else "-"
+    print(f"\n=== summary ({'quick' if args.quick else 'full'}, {args.num_prompts} prompts, "
+          f"dtype {args.dtype}, seed {args.seed}, torch threads {threads}, "
+          f"{total_s:.0f}s total) ===")
     sw = [8, 10, 14, 16, 13, 9, 12, 11]
-    print(fmt_row(["workload", "ours tok/s", "HF-best tok/s", "ratio / target", "decode ovhd", "mean bs",
-                   "ours RSS MiB", "HF RSS MiB"], sw))
+    print(fmt_row(["workload", "ours tok/s", "HF-best tok/s", "ratio / target", "decode ovhd",
+                   "mean bs", "ours RSS MiB", "HF RSS MiB"], sw))
     for row in summary:
         print(fmt_row(row, sw))
-    print(f"decode ovhd = 1 - decode_forward_s / decode_step_s (target < {OVERHEAD_TARGET * 100:.0f}% on (a)); "
-          "RSS = peak of the measuring process (ru_maxrss)")
+    print(f"decode ovhd = 1 - decode_forward_s / decode_step_s (target < "
+          f"{OVERHEAD_TARGET * 100:.0f}% on (a)); RSS = peak RSS of the measuring process "
+          "(ru_maxrss); RSS@start = after load + warm-up;\ncores own / others = CPU seconds of the "
+          "measuring process / of all other processes, per wall second of the timed run")
 
 
 if __name__ == "__main__":

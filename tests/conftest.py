@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+from tests.golden import Golden, compute_golden
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,3 +27,18 @@ def smollm_tokenizer(smollm_path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path: str):
+    """HF transformers SmolLM2 in float32 (the reference for tokens, logprobs, hidden states)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def golden(hf_smollm, smollm_tokenizer) -> list[Golden]:
+    """HF greedy continuations of the golden prompts (see tests/golden.py)."""
+    return compute_golden(hf_smollm, smollm_tokenizer)

@@ -14,12 +14,11 @@ import pytest
 from meshlm.launch.launcher import System
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
-from ..engine.conftest import golden, hf_smollm  # noqa: F401 (fixtures shared with the engine tests)
 from .conftest import http_json, wait_idle
 from .otlp_receiver import OtlpReceiver
 
 
-def test_rest_greedy_equals_hf_golden(system: System, golden) -> None:  # noqa: F811
+def test_rest_greedy_equals_hf_golden(system: System, golden) -> None:
     body = {
         "input_ids": [g.input_ids for g in golden],
         "sampling_params": {"temperature": 0, "max_new_tokens": 32},

@@ -1,67 +1,34 @@
-"""Golden prompts and the HF reference outputs they are checked against."""
+"""A shared engine and the pools-are-whole check every engine test ends with (the golden
+prompts and HF reference live in tests/golden.py and tests/conftest.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
-import torch
 
-GOLDEN_NEW_TOKENS = 32
+from meshlm.scheduler.engine import Engine
 
-RAW_PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "La capitale de la France est",
-    "東京は日本の",
-    "Once upon a time, in a land far away, there lived a",
-]
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explique la photosynthèse en une phrase.",
-    "List three prime numbers.",
-]
+from tests.golden import (  # noqa: F401 (re-exported for the engine tests)
+    CHAT_PROMPTS,
+    GOLDEN_NEW_TOKENS,
+    RAW_PROMPTS,
+    Golden,
+    chat_ids,
+)
 
 
-@dataclass(frozen=True)
-class Golden:
-    input_ids: list[int]
-    output_ids: list[int]  # HF greedy continuation (up to and including EOS, if reached)
-    logprobs: list[float]  # log_softmax of HF's logits at each generated token
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+def assert_pools_whole(engine: Engine) -> None:
+    """free + evictable == capacity, nothing locked, no request row held."""
+    load = engine.get_load()  # also waits until the loop has processed everything before it
+    sched = engine.scheduler
+    assert load.num_running_reqs == 0 and load.num_queue_reqs == 0
+    assert sched.allocator.available_size() + sched.tree_cache.evictable_size() == sched.max_total_num_tokens
+    assert sched.tree_cache.protected_size() == 0
+    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
 
 
 @pytest.fixture(scope="session")
-def golden(smollm_path: str, smollm_tokenizer) -> list[Golden]:
-    """HF transformers greedy generation in float32, one prompt at a time (no padding)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm_path, torch_dtype=torch.float32)
-    model.eval()
-    prompts = [list(smollm_tokenizer(p).input_ids) for p in RAW_PROMPTS]
-    prompts += [chat_ids(smollm_tokenizer, p) for p in CHAT_PROMPTS]
-    out: list[Golden] = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=GOLDEN_NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=smollm_tokenizer.eos_token_id,
-            )
-        new = gen.sequences[0, len(ids):].tolist()
-        lps = [
-            torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, new)
-        ]
-        out.append(Golden(ids, new, lps))
-    return out
+def smollm_engine(smollm_path: str):
+    """One float32 SmolLM2 engine with the default scheduling flags, shared by feature tests."""
+    eng = Engine(model_path=smollm_path, max_total_tokens=16384, load_progress=False)
+    yield eng
+    eng.shutdown()

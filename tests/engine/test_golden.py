@@ -7,19 +7,9 @@ import pytest
 
 from meshlm.scheduler.engine import Engine
 
-from .conftest import GOLDEN_NEW_TOKENS
+from .conftest import GOLDEN_NEW_TOKENS, assert_pools_whole
 
 GREEDY = {"temperature": 0, "max_new_tokens": GOLDEN_NEW_TOKENS}
-
-
-def assert_pools_whole(engine: Engine) -> None:
-    """free + evictable == capacity, nothing locked, no request row held."""
-    load = engine.get_load()  # also waits until the loop has processed everything before it
-    sched = engine.scheduler
-    assert load.num_running_reqs == 0 and load.num_queue_reqs == 0
-    assert sched.allocator.available_size() + sched.tree_cache.evictable_size() == sched.max_total_num_tokens
-    assert sched.tree_cache.protected_size() == 0
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
 
 
 def run_all(engine: Engine, golden, at_once: bool = True, logprobs: bool = False) -> list[dict]:

@@ -228,7 +228,7 @@ def test_validation_errors_name_the_field(tok, request_, field):
 
 def test_max_input_len_is_enforced(tok):
     with pytest.raises(
-        InvalidRequest, match=r"prompts\[0\] has 4 tokens; the model accepts at most 3 input tokens"
+        InvalidRequest, match=r"prompts\[0\] has 4 tokens, longer than the model's context length allows \(3 input"
     ):
         norm(tok, gen(ids(1, 2, 3, 4)), max_input_len=3)
     norm(tok, gen(ids(1, 2, 3)), max_input_len=3)

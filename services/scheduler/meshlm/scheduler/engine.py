@@ -22,17 +22,18 @@ from meshlm.scheduler.managers.io_struct import (
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
+    CloseSessionOutput,
+    CloseSessionReq,
     FlushCacheOutput,
     FlushCacheReq,
     GetLoadReq,
     LoadReport,
+    OpenSessionOutput,
+    OpenSessionReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from meshlm.scheduler.managers.port import SchedulerPort
-from meshlm.scheduler.managers.scheduler import Scheduler
-from meshlm.scheduler.model_config import ModelConfig
-from meshlm.scheduler.model_loader import resolve_model_path
+from meshlm.scheduler.runtime import SchedulerRuntime
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,33 +63,29 @@ class Engine:
 
     def __init__(self, config: Optional[SchedulerConfig] = None, **overrides: Any) -> None:
         config = (config or SchedulerConfig()).replace(**overrides) if overrides else (config or SchedulerConfig())
-        path = resolve_model_path(config.model_path)
-        self.model_config = ModelConfig.from_path(path, config.context_length)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer_path or path))
-        self.config = config.replace(model_path=str(path))
         self._states: dict[str, _ReqState] = {}
-        self._controls: "list[concurrent.futures.Future[Any]]" = []
+        self._controls: "dict[int, concurrent.futures.Future[Any]]" = {}
         self._lock = threading.Lock()
-        self.port = SchedulerPort(self._on_output, self._on_control)
-        self.scheduler = Scheduler(self.config, self.model_config, self.tokenizer, self.port)
-        self._thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)
-        self._ids = itertools.count()
-        self._thread.start()
+        self._ids = itertools.count(1)
+        self.runtime = SchedulerRuntime(config, self._on_output, self._on_control)
+        self.model_config = self.runtime.model_config
+        self.tokenizer = self.runtime.tokenizer
+        self.config = self.runtime.config
+        self.port = self.runtime.port
+        self.scheduler = self.runtime.scheduler
+        self.runtime.start(on_crash=self._on_crash)
 
-    def _run(self) -> None:
-        try:
-            self.scheduler.event_loop_normal()
-        except Exception:  # a loop crash must fail every waiter, never hang them
-            logger.exception("scheduler loop crashed")
-            with self._lock:
-                states = list(self._states.items())
-            for rid, st in states:
-                st.loop.call_soon_threadsafe(
-                    st.queue.put_nowait, {"error": RequestError("scheduler loop crashed", 500)}
-                )
-            raise
+    def _on_crash(self, exc: BaseException) -> None:
+        with self._lock:
+            states = list(self._states.items())
+            controls = list(self._controls.values())
+            self._controls.clear()
+        for rid, st in states:
+            st.loop.call_soon_threadsafe(
+                st.queue.put_nowait, {"error": RequestError("scheduler loop crashed", 500)}
+            )
+        for fut in controls:
+            fut.set_exception(RequestError("scheduler loop crashed", 500))
 
     # ---- loop-thread callbacks ------------------------------------------------------------
     def _on_output(self, msg: Any) -> None:
@@ -107,7 +104,7 @@ class Engine:
 
     def _on_control(self, msg: Any) -> None:
         with self._lock:
-            fut = self._controls.pop(0) if self._controls else None
+            fut = self._controls.pop(getattr(msg, "call_id", 0), None)
         if fut is not None:
             fut.set_result(msg)
 
@@ -144,6 +141,8 @@ class Engine:
         token_ids_logprob: Optional[list[int]] = None,
         rid: Optional[str] = None,
         stream: bool = True,
+        session_id: Optional[str] = None,
+        session_rid: Optional[str] = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield deltas {"text", "output_ids", "meta_info", "finished"}; the last has finished=True.
 
@@ -165,6 +164,7 @@ class Engine:
                 rid=rid, input_ids=ids, sampling_params=sp, input_text=prompt,
                 return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                 top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob, stream=stream,
+                session_id=session_id, session_rid=session_rid,
             )
         )
         finished = False
@@ -189,8 +189,11 @@ class Engine:
         st.output_ids.extend(new_ids)
         sp = st.sampling_params
         ids = st.output_ids
-        if reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
-            ids = ids[:-1]  # a matched stop token is not part of the text
+        if (
+            reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
+            and not sp.no_stop_trim
+        ):
+            ids = ids[:-1]  # a matched stop token is not part of the text (unless no_stop_trim)
         full = self.tokenizer.decode(
             ids, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
@@ -259,17 +262,30 @@ class Engine:
 
     # ---- control --------------------------------------------------------------------------
     def _control(self, msg: Any, timeout: float = 30.0) -> Any:
+        """Send a control message and wait for the loop's reply (matched by call_id)."""
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
         with self._lock:
-            self._controls.append(fut)
+            msg.call_id = next(self._ids)
+            self._controls[msg.call_id] = fut
         self.port.put(msg)
-        return fut.result(timeout=timeout)
+        try:
+            return fut.result(timeout=timeout)
+        finally:
+            with self._lock:
+                self._controls.pop(msg.call_id, None)
 
     def flush_cache(self) -> FlushCacheOutput:
         return self._control(FlushCacheReq())
 
     def get_load(self) -> LoadReport:
         return self._control(GetLoadReq())
+
+    def open_session(self, capacity_of_str_len: int = 0, session_id: Optional[str] = None) -> OpenSessionOutput:
+        """Open a multi-turn session; pass its id as generate(session_id=...)."""
+        return self._control(OpenSessionReq(capacity_of_str_len, session_id))
+
+    def close_session(self, session_id: str) -> CloseSessionOutput:
+        return self._control(CloseSessionReq(session_id))
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.port.put(AbortReq(rid=rid, abort_all=abort_all))
@@ -294,8 +310,7 @@ class Engine:
         return [r["embedding"] for r in asyncio.run(run())]
 
     def shutdown(self) -> None:
-        self.scheduler.stop()
-        self._thread.join(timeout=10)
+        self.runtime.stop(timeout=10)
 
     def __enter__(self) -> "Engine":
         return self

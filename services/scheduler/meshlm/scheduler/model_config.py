@@ -51,6 +51,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf: dict[str, Any]
 
+    @property
+    def served_name(self) -> str:
+        """A short model name for APIs: the GGUF's stem (up to its quantization suffix) for a
+        converted GGUF, else the directory name."""
+        marker = Path(self.path) / "meshlm_conversion.json"
+        if marker.exists():
+            source = json.loads(marker.read_text()).get("source")
+            if source:
+                return Path(source).name.split(".")[0]
+        return Path(self.path).name
+
     @staticmethod
     def from_path(path: str | Path, context_length: Optional[int] = None) -> "ModelConfig":
         path = Path(path)

@@ -25,6 +25,10 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[list[int]] = None
     stream: bool = False
+    # Multi-turn session (OpenSessionReq): the input becomes the previous turn's prompt and
+    # outputs followed by input_ids. session_rid names the turn to continue (None = the last).
+    session_id: Optional[str] = None
+    session_rid: Optional[str] = None
 
 
 @dataclass
@@ -43,20 +47,25 @@ class AbortReq:
     message: str = "Aborted by the client"
 
 
+# Control messages. Each carries a `call_id` that the loop copies into its reply, so callers
+# with several calls in flight (the gRPC servicer) can match replies to requests.
+
+
 @dataclass
 class FlushCacheReq:
-    pass
+    call_id: int = 0
 
 
 @dataclass
 class FlushCacheOutput:
     success: bool
     message: str = ""
+    call_id: int = 0
 
 
 @dataclass
 class GetLoadReq:
-    pass
+    call_id: int = 0
 
 
 @dataclass
@@ -67,6 +76,52 @@ class LoadReport:
     max_total_num_tokens: int
     cache_hit_rate: float = 0.0
     token_usage: float = 0.0
+    max_running_requests: int = 0
+    num_retracted_reqs: int = 0  # retracted requests waiting to be prefilled again
+    call_id: int = 0
+
+
+@dataclass
+class OpenSessionReq:
+    """Open a multi-turn session. capacity_of_str_len: most tokens (prompt + outputs) one
+    turn's request may hold, 0 = the context length; session_id None = make one."""
+
+    capacity_of_str_len: int = 0
+    session_id: Optional[str] = None
+    call_id: int = 0
+
+
+@dataclass
+class OpenSessionOutput:
+    session_id: Optional[str]
+    success: bool
+    message: str = ""
+    call_id: int = 0
+
+
+@dataclass
+class CloseSessionReq:
+    session_id: str
+    call_id: int = 0
+
+
+@dataclass
+class CloseSessionOutput:
+    session_id: str
+    success: bool
+    message: str = ""
+    call_id: int = 0
+
+
+@dataclass
+class ReqTimes:
+    """Wall-clock times (time.time(), seconds) of a request's phases inside the scheduler,
+    for tracing spans and the queue-time metric; 0.0 = not reached (yet)."""
+
+    arrival: float = 0.0  # entered the scheduler loop
+    scheduled: float = 0.0  # first picked into a prefill batch
+    first_token: float = 0.0
+    finished: float = 0.0
 
 
 @dataclass
@@ -80,7 +135,7 @@ class BatchTokenIDOut:
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     # Logprob deltas, empty lists for requests that did not ask. Input logprobs are sent once;
-    # the first prompt token has no logprob (None).
+    # the first prompt token has no logprob (None, and an empty top / token-id row).
     input_token_logprobs: list[list[Optional[float]]] = field(default_factory=list)
     input_token_ids: list[list[int]] = field(default_factory=list)
     input_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
@@ -89,6 +144,10 @@ class BatchTokenIDOut:
     output_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
     output_token_ids_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
     retraction_counts: list[int] = field(default_factory=list)
+    times: list[ReqTimes] = field(default_factory=list)
+    # The last prompt ids (<= 5) on a request's first emission, empty afterwards: the
+    # detokenizer's surround window (a session turn's prompt is only known in the loop).
+    prompt_tail_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -14,11 +14,13 @@ KV exists for every token except the newest output token, which is fed by the ne
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from meshlm.scheduler.managers.io_struct import ReqTimes
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
 
@@ -85,8 +87,11 @@ class Req:
         stream: bool = False,
         is_embedding: bool = False,
         origin_input_text: Optional[str] = None,
+        session_id: Optional[str] = None,
     ) -> None:
         self.rid = rid
+        self.session_id = session_id
+        self.times = ReqTimes(arrival=time.time())
         self.origin_input_ids = list(origin_input_ids)
         self.origin_input_text = origin_input_text
         self.sampling_params = sampling_params

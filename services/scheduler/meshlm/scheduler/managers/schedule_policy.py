@@ -105,10 +105,12 @@ class PrefillAdder:
         return self._budget_state()
 
     def _add(self, req: Req, locked: bool) -> None:
+        """Admit req, truncating it to a page-aligned chunk when it exceeds the chunk budget.
+        An embedding request is never chunked: its forward pools over the whole input at once."""
         pre = len(req.prefix_indices)
         extend = req.extend_input_len
         chunk = self.rem_chunk_tokens
-        if chunk is None or extend <= chunk:
+        if chunk is None or extend <= chunk or req.is_embedding:
             req.is_chunked = 0
             self.can_run_list.append(req)
             self._charge(extend, remaining_new_tokens(req))

@@ -22,10 +22,12 @@ import torch
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
+    CloseSessionReq,
     FlushCacheOutput,
     FlushCacheReq,
     GetLoadReq,
     LoadReport,
+    OpenSessionReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -38,6 +40,7 @@ from meshlm.scheduler.managers.schedule_policy import (
     SchedulePolicy,
 )
 from meshlm.scheduler.managers.scheduler_output import SchedulerOutputMixin
+from meshlm.scheduler.managers.session_controller import SessionController
 from meshlm.scheduler.managers.tp_worker import TpModelWorker
 from meshlm.scheduler.mem_cache.chunk_cache import ChunkCache
 from meshlm.scheduler.mem_cache.radix_cache import RadixCache
@@ -48,6 +51,7 @@ from meshlm.scheduler.sampling.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 RETRACT_DECODE_STEPS = 20
+IN_BATCH_PREFIX_TOKENS = 32  # SGLang's IN_BATCH_PREFIX_CACHING thresholds
 
 
 class Scheduler(SchedulerOutputMixin):
@@ -79,6 +83,7 @@ class Scheduler(SchedulerOutputMixin):
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / 600
         self.new_token_ratio = self.init_new_token_ratio
         self.stats = SchedulerStats()
+        self.sessions = SessionController(self.max_req_len, tokenizer)
         self._stop = threading.Event()
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -123,14 +128,22 @@ class Scheduler(SchedulerOutputMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReq):
-                self.port.send_control(self.flush_cache())
+                out = self.flush_cache()
+                out.call_id = msg.call_id
+                self.port.send_control(out)
             elif isinstance(msg, GetLoadReq):
-                self.port.send_control(self.get_load())
+                load = self.get_load()
+                load.call_id = msg.call_id
+                self.port.send_control(load)
+            elif isinstance(msg, OpenSessionReq):
+                self.port.send_control(self.sessions.open(msg))
+            elif isinstance(msg, CloseSessionReq):
+                self.port.send_control(self.sessions.close(msg))
             else:
                 logger.error("scheduler got an unknown message %r", type(msg).__name__)
 
     def _reject(self, req: Req, message: str, status_code: int = 400) -> None:
-        err = "BadRequestError" if status_code == 400 else "ServiceUnavailableError"
+        err = {400: "BadRequestError", 404: "NotFoundError"}.get(status_code, "ServiceUnavailableError")
         req.finished_reason = FinishAbort(message, status_code, err)
         self.stream_output([req])
 
@@ -140,8 +153,11 @@ class Scheduler(SchedulerOutputMixin):
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         sp = recv.sampling_params
+        input_ids, session_error = recv.input_ids, None
+        if recv.session_id is not None:
+            input_ids, session_error = self.sessions.resolve_input(recv)
         req = Req(
-            recv.rid, recv.input_ids, sp,
+            recv.rid, input_ids, sp,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             return_logprob=recv.return_logprob,
             logprob_start_len=recv.logprob_start_len,
@@ -149,15 +165,30 @@ class Scheduler(SchedulerOutputMixin):
             token_ids_logprob=recv.token_ids_logprob,
             stream=recv.stream,
             origin_input_text=recv.input_text,
+            session_id=recv.session_id,
         )
+        if session_error is not None:
+            return self._reject(req, *session_error)
         error = self._validate(req)
+        if error is None and recv.session_id is not None:
+            error = self.sessions.check_capacity(req)
         if error is not None:
             return self._reject(req, error)
         if self.model_config.is_embedding:
             return self._reject(req, "this model is an embedding model; it cannot generate")
         if self._queue_full():
             return self._reject(req, "The request queue is full.", 503)
+        if recv.session_id is not None:
+            self.sessions.add_req(recv, req)
         self.waiting_queue.append(req)
+
+    def _too_long(self, n: int) -> str:
+        """The error for an input of n > max_req_len tokens; names the input length, the
+        model's context length and the most input tokens a request may hold."""
+        return (
+            f"The input ({n} tokens) is longer than the model's context length "
+            f"({self.model_config.context_len} tokens; a request may hold at most {self.max_req_len} input tokens)."
+        )
 
     def _validate(self, req: Req) -> Optional[str]:
         """SGLang's handle_generate_request checks; returns an error naming field and limit."""
@@ -166,10 +197,7 @@ class Scheduler(SchedulerOutputMixin):
         if n == 0:
             return "input_ids must not be empty"
         if n > self.max_req_len:
-            return (
-                f"The input ({n} tokens) is longer than the model's context length "
-                f"({self.max_req_len} tokens, the most a request may use)."
-            )
+            return self._too_long(n)
         if any(t < 0 or t >= self.model_config.vocab_size for t in req.origin_input_ids):
             return f"input_ids must be token ids in [0, {self.model_config.vocab_size})"
         try:
@@ -201,9 +229,7 @@ class Scheduler(SchedulerOutputMixin):
         if n == 0:
             return self._reject(req, "input must not be empty")
         if n > self.max_req_len:
-            return self._reject(
-                req, f"The input ({n} tokens) is longer than the model's context length ({self.max_req_len} tokens)."
-            )
+            return self._reject(req, self._too_long(n))
         if self._queue_full():
             return self._reject(req, "The request queue is full.", 503)
         self.waiting_queue.append(req)
@@ -233,8 +259,22 @@ class Scheduler(SchedulerOutputMixin):
                 self.tree_cache.cache_finished_req(req)
                 self.stream_output([req])
 
+    def has_live_requests(self) -> bool:
+        """Whether any unfinished request is waiting, chunked, decoding or just prefilled (an
+        EXTEND batch's requests join the running batch only at the next get_next_batch_to_run,
+        and finished ones leave it only then)."""
+        return bool(self.waiting_queue or self.chunked_req is not None or self._running_reqs())
+
+    def _running_reqs(self) -> list[Req]:
+        """Unfinished requests holding KV: decoding, or prefilled and not merged yet."""
+        live = list(self.running_batch.reqs)
+        if self.last_batch is not None and self.last_batch.forward_mode is ForwardMode.EXTEND:
+            live += [r for r in self.last_batch.sampling_reqs if r not in self.running_batch.reqs]
+        return [r for r in live if not r.finished()]
+
     def flush_cache(self) -> FlushCacheOutput:
-        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None:
+        """Drop every cached prefix; refused while a live request holds KV slots or a row."""
+        if self.has_live_requests():
             return FlushCacheOutput(False, "Cache not flushed: requests are running or waiting.")
         self.tree_cache.reset()
         self.allocator.clear()
@@ -244,12 +284,14 @@ class Scheduler(SchedulerOutputMixin):
     def get_load(self) -> LoadReport:
         used = self.num_used_tokens()
         return LoadReport(
-            num_running_reqs=sum(not r.finished() for r in self.running_batch.reqs),
+            num_running_reqs=len(self._running_reqs()),
             num_queue_reqs=len(self.waiting_queue),
             num_used_tokens=used,
             max_total_num_tokens=self.max_total_num_tokens,
             cache_hit_rate=self.stats.cache_hit_rate(),
             token_usage=used / self.max_total_num_tokens,
+            max_running_requests=self.max_running_requests,
+            num_retracted_reqs=sum(r.retraction_count > 0 for r in self.waiting_queue),
         )
 
     def num_used_tokens(self) -> int:
@@ -308,15 +350,24 @@ class Scheduler(SchedulerOutputMixin):
             self.chunked_req.init_next_round_input()
             adder.add_chunked_req(self.chunked_req)
         embed = self.chunked_req.is_embedding if self.chunked_req else None
+        # In-batch prefix sharing: a request whose first tokens equal those of a request
+        # picked this round waits one round, then finds that prefix in the radix cache
+        # instead of computing it again.
+        share = not self.config.disable_radix_cache
+        picked_heads = {self._head(self.chunked_req)} if self.chunked_req is not None else set()
         for req in self.waiting_queue:
             if running_bs + len(adder.can_run_list) >= self.max_running_requests:
                 break
             if embed is not None and req.is_embedding != embed:
                 break  # one kind of forward per batch
+            head = self._head(req)
+            if share and adder.can_run_list and req.cache_protected_len < IN_BATCH_PREFIX_TOKENS and head in picked_heads:
+                continue
             res = adder.add_one_req(req)
             added = bool(adder.can_run_list) and adder.can_run_list[-1] is req
             if added:
                 embed = req.is_embedding
+                picked_heads.add(head)
             if res is not AddReqResult.CONTINUE or adder.new_chunked_req is not None:
                 break
         if not adder.can_run_list:
@@ -325,12 +376,21 @@ class Scheduler(SchedulerOutputMixin):
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in picked]
         self.chunked_req = adder.new_chunked_req
         for req in adder.can_run_list:
+            if not req.times.scheduled:
+                req.times.scheduled = time.time()
             if req.is_chunked <= 1 and not req.output_ids:  # first time this prompt runs
                 req.cached_tokens = req.cache_protected_len
                 self.stats.record_prefill(len(req.origin_input_ids), req.cache_protected_len)
         batch = self._new_batch(adder.can_run_list)
         batch.pending_fb = batch.prepare_for_extend(embed=bool(embed))
         return batch
+
+    @staticmethod
+    def _head(req: Req) -> tuple[int, ...]:
+        """The first tokens of a request: equal heads mean a shared prefix worth reusing."""
+        if len(req.fill_ids) <= IN_BATCH_PREFIX_TOKENS:
+            return (-1, id(req))  # too short to share: unique
+        return tuple(req.fill_ids[:IN_BATCH_PREFIX_TOKENS])
 
     def update_running_batch(self, batch: ScheduleBatch) -> None:
         batch.filter_batch([i for i, r in enumerate(batch.reqs) if not r.finished()])
@@ -383,6 +443,8 @@ class Scheduler(SchedulerOutputMixin):
         fb = batch.pending_fb
         assert fb is not None
         batch.pending_fb = None
+        if fb.forward_mode.is_extend():
+            self.stats.extend_tokens += sum(fb.extend_seq_lens_cpu)
         if batch.forward_mode is ForwardMode.EMBED:
             t0 = time.perf_counter()
             embeddings = self.tp_worker.forward_batch_embedding(fb)
@@ -419,6 +481,9 @@ class SchedulerStats:
     def __init__(self) -> None:
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        # Tokens computed by EXTEND / EMBED forwards (prompt tokens not served from the cache,
+        # plus prompt and outputs of retracted requests prefilled again).
+        self.extend_tokens = 0
         self.num_retracted = 0
         self.decode_steps = 0
         self.decode_forward_s = 0.0

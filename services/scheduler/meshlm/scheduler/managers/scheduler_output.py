@@ -4,6 +4,7 @@ and one BatchTokenIDOut per step holding every emitting request's delta."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,14 @@ class SchedulerOutputMixin:
             req.input_logprobs_done = True
             if req.finished():  # aborted while its prefill ran
                 j += 1
+                continue
+            if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. n>1 cache warm-up)
+                j += 1
+                req.finished_reason = FinishLength(0)
+                # KV covers the whole prompt (no output token is pending): cache all of it,
+                # then drop the request's hold on it.
+                self.tree_cache.cache_unfinished_req(req)
+                self.tree_cache.release_req(req, len(req.fill_ids))
                 continue
             self._append_token(req, result, j)
             j += 1
@@ -120,7 +129,13 @@ class SchedulerOutputMixin:
             if not parts:
                 continue
             if not req.input_token_logprobs and req.logprob_start_len == 0:
+                # The first prompt token has no prediction: None, and an empty row in the
+                # top / token-id lists, so entry k of every list is about prompt token k.
                 req.input_token_logprobs.append(None)  # type: ignore[arg-type]
+                if req.top_logprobs_num:
+                    req.input_top_logprobs.append([])
+                if req.token_ids_logprob is not None:
+                    req.input_token_ids_logprobs.append([])
             lp = compute_logprobs(
                 torch.cat(parts),
                 torch.tensor(targets, dtype=torch.int64, device=parts[0].device),
@@ -153,20 +168,42 @@ class SchedulerOutputMixin:
 
     # ---- outputs --------------------------------------------------------------------------
     def _should_emit(self, req: Req) -> bool:
+        """Finished requests always emit; others at their stream cadence, except while the
+        output ends with the start of a stop string (text that a later match would trim)."""
         if req.finished():
             return True
         n = len(req.output_ids)
         if req.stream:
             interval = req.sampling_params.stream_interval or self.config.stream_interval
-            return n == 1 or n - req.send_token_offset >= interval
-        return n % FORCE_STREAM_INTERVAL == 0
+            due = n == 1 or n - req.send_token_offset >= interval
+        else:
+            due = n % FORCE_STREAM_INTERVAL == 0
+        return due and not self._tail_starts_stop_str(req)
+
+    def _tail_starts_stop_str(self, req: Req) -> bool:
+        """SGLang's check_match_stop_str_prefix: whether the decoded output tail ends with a
+        non-empty prefix of one of the request's stop strings."""
+        sp = req.sampling_params
+        if not sp.stop_strs or self.tokenizer is None:
+            return False
+        tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
+        return any(
+            tail.endswith(stop[:k]) for stop in sp.stop_strs for k in range(1, min(len(tail), len(stop)) + 1)
+        )
 
     def stream_output(self, reqs: list[Req]) -> None:
         out = BatchTokenIDOut()
+        now = time.time()
         for req in reqs:
+            times = req.times
+            if req.output_ids and not times.first_token:
+                times.first_token = now
+            if req.finished_reason is not None and not times.finished:
+                times.finished = now
             if not self._should_emit(req):
                 continue
             out.rids.append(req.rid)
+            out.prompt_tail_ids.append(req.origin_input_ids[-5:] if req.send_token_offset == 0 else [])
             out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
             out.output_ids.append(req.output_ids[req.send_token_offset :])
             req.send_token_offset = len(req.output_ids)
@@ -174,6 +211,7 @@ class SchedulerOutputMixin:
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(req.cached_tokens)
             out.retraction_counts.append(req.retraction_count)
+            out.times.append(times)
             self._emit_logprobs(req, out)
         if out.rids:
             self.port.send_output(out)

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 2.0
 DEFAULT_MAX_RUNNING = 256
+EMBEDDING_MAX_TOTAL_TOKENS = 65536
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,6 +91,8 @@ class ModelRunner:
         layers = 1 if mc.is_embedding else mc.num_hidden_layers
         cell = MHATokenToKVPool.cell_size_bytes(kv_heads, mc.head_dim, layers, self.dtype)
         total = cfg.max_total_tokens or self._kv_budget_bytes() // cell
+        if mc.is_embedding and cfg.max_total_tokens is None:
+            total = min(total, EMBEDDING_MAX_TOTAL_TOKENS)  # encoders keep no KV between steps
         total = total // cfg.page_size * cfg.page_size
         self.max_total_num_tokens = total
         max_running = cfg.max_running_requests or min(DEFAULT_MAX_RUNNING, max(total // 2, 1))

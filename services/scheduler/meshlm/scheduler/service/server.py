@@ -40,7 +40,7 @@ def model_info(runtime: SchedulerRuntime) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model_path=path,
         tokenizer_path=cfg.tokenizer_path or path,
-        served_model_name=path,
+        served_model_name=mc.served_name,
         is_generation=not mc.is_embedding,
         context_length=mc.context_len,
         vocab_size=mc.vocab_size,

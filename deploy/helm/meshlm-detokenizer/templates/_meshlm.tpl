@@ -1,0 +1,406 @@
+{{- /*
+Shared helpers of the four meshlm component charts. This file is identical in every chart
+(tests/deploy checks it): named templates are global in an umbrella release, so the copies
+must agree. Every helper takes (dict "ctx" $ "component" "<gateway|tokenizer|scheduler|detokenizer>")
+and never reads .Chart.Name, which an umbrella alias changes.
+
+Naming: every resource of a component is "<system>-meshlm-<component>", where <system> is
+global.meshlm.system or, when empty, the release name. A standalone chart therefore finds its
+peers at "<system>-meshlm-<peer>-headless:<default port>" when all are installed with the same
+global.meshlm.system, and the umbrella chart gets the same names from its one release name.
+*/ -}}
+
+{{- define "meshlm.system" -}}
+{{- $g := (.ctx.Values.global | default dict).meshlm | default dict -}}
+{{- $g.system | default .ctx.Release.Name | trunc 30 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "meshlm.fullname" -}}
+{{- printf "%s-meshlm-%s" (include "meshlm.system" .) .component -}}
+{{- end -}}
+
+{{- define "meshlm.selectorLabels" -}}
+app.kubernetes.io/name: meshlm-{{ .component }}
+meshlm.io/system: {{ include "meshlm.system" . }}
+{{- end -}}
+
+{{- define "meshlm.labels" -}}
+{{ include "meshlm.selectorLabels" . }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/part-of: meshlm
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+helm.sh/chart: meshlm-{{ .component }}-{{ .ctx.Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- /* (dict "ctx" $ "image" <image values> "tag" <default tag>) -> registry/repository:tag */ -}}
+{{- define "meshlm.image" -}}
+{{- $g := (.ctx.Values.global | default dict).meshlm | default dict -}}
+{{- $repo := .image.repository -}}
+{{- if $g.imageRegistry -}}{{- $repo = printf "%s/%s" (trimSuffix "/" $g.imageRegistry) $repo -}}{{- end -}}
+{{- printf "%s:%s" $repo (.image.tag | default .tag) -}}
+{{- end -}}
+
+{{- /* (dict "ctx" $ "value" <explicit list or ""> "peer" <component> "port" <int>) */ -}}
+{{- define "meshlm.peerAddrs" -}}
+{{- if .value -}}
+{{- .value -}}
+{{- else -}}
+{{- printf "%s-meshlm-%s-headless:%d" (include "meshlm.system" .) .peer (int .port) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The drain budget: SIGTERM arrives after the preStop sleep, and both must fit in the pod's
+terminationGracePeriodSeconds with 5 s to spare for the final server stop. */ -}}
+{{- define "meshlm.gracePeriodS" -}}
+{{- $v := .ctx.Values -}}
+{{- $grace := sub (sub (int $v.terminationGracePeriodSeconds) (int $v.preStopSleepSeconds)) 5 -}}
+{{- if lt $grace 1 -}}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) + 5 so the service has time to drain" (int $v.terminationGracePeriodSeconds) (int $v.preStopSleepSeconds)) -}}
+{{- end -}}
+{{- $grace -}}
+{{- end -}}
+
+{{- define "meshlm.validate" -}}
+{{- $v := .ctx.Values -}}
+{{- if $v.tls.enabled -}}
+{{- fail "tls.enabled: mTLS between meshlm services is not implemented yet (the services have no TLS flags); keep tls.enabled=false" -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Flags every service takes, as container args. */ -}}
+{{- define "meshlm.commonArgs" -}}
+{{- $v := .ctx.Values -}}
+- --host=0.0.0.0
+- --port={{ $v.service.port }}
+- --log-level={{ $v.logLevel }}
+- --log-format={{ $v.logFormat }}
+- --grace-period-s={{ include "meshlm.gracePeriodS" . }}
+{{- if $v.otlp.endpoint }}
+- --otlp-endpoint={{ $v.otlp.endpoint }}
+{{- end }}
+{{- if and $v.metrics.enabled (ne .component "gateway") }}
+- --metrics-port={{ $v.metrics.port }}
+{{- end }}
+{{- end -}}
+
+{{- /* extraArgs / extraEnv render nothing when empty; callers wrap them in `with` and
+`trim | nindent N`. */ -}}
+{{- define "meshlm.extraArgs" -}}
+{{- range .ctx.Values.extraArgs }}
+{{ printf "- %s" (quote .) }}
+{{- end }}
+{{- end -}}
+
+{{- /* Writable locations under a read-only root file system: /tmp and /cache are emptyDirs. */ -}}
+{{- define "meshlm.cacheEnv" -}}
+- name: TMPDIR
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /cache
+- name: MESHLM_CACHE
+  value: {{ .meshlmCache | default "/cache/meshlm" }}
+- name: HF_HOME
+  value: /cache/huggingface
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- end -}}
+
+{{- define "meshlm.extraEnv" -}}
+{{- with .ctx.Values.extraEnv }}{{ toYaml . }}{{ end }}
+{{- end -}}
+
+{{- define "meshlm.metricsPort" -}}
+{{- if and .ctx.Values.metrics.enabled (ne .component "gateway") -}}
+- name: metrics
+  containerPort: {{ .ctx.Values.metrics.port }}
+  protocol: TCP
+{{- end -}}
+{{- end -}}
+
+{{- define "meshlm.modelVolumeMount" -}}
+- name: models
+  mountPath: /models
+  readOnly: true
+{{- end -}}
+
+{{- define "meshlm.lifecycle" -}}
+lifecycle:
+  preStop:
+    exec:
+      # Let endpoint removal reach every client before SIGTERM starts the drain.
+      command: ["sleep", "{{ .ctx.Values.preStopSleepSeconds }}"]
+{{- end -}}
+
+{{- define "meshlm.podSpecCommon" -}}
+{{- $v := .ctx.Values -}}
+automountServiceAccountToken: false
+terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+{{- with $v.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "meshlm.podMetadata" -}}
+labels:
+  {{- include "meshlm.labels" . | nindent 2 }}
+  {{- with .ctx.Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with .ctx.Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- /* gRPC health probes (grpc.health.v1, served by every internal service). */ -}}
+{{- define "meshlm.grpcProbes" -}}
+{{- $v := .ctx.Values -}}
+startupProbe:
+  grpc:
+    port: {{ $v.service.port }}
+  periodSeconds: {{ $v.startupProbe.periodSeconds }}
+  failureThreshold: {{ $v.startupProbe.failureThreshold }}
+  timeoutSeconds: 5
+livenessProbe:
+  grpc:
+    port: {{ $v.service.port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+readinessProbe:
+  grpc:
+    port: {{ $v.service.port }}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 2
+{{- end -}}
+
+{{- /* ---- model files (scheduler: the model; tokenizer/detokenizer: its tokenizer) ----------- */ -}}
+
+{{- define "meshlm.modelPath" -}}
+{{- $m := .ctx.Values.model -}}
+{{- if eq $m.source "init" -}}
+/models/model
+{{- else -}}
+{{- printf "/models/%s" (trimPrefix "/" $m.path) | trimSuffix "/" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "meshlm.modelVolume" -}}
+{{- $m := .ctx.Values.model -}}
+- name: models
+{{- if eq $m.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source=pvc" $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+  hostPath:
+    path: {{ required "model.hostPath.path is required when model.source=hostPath" $m.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $m.init.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{- /* Runs resolve_model_path in an image that has the scheduler extra (converting the packaged
+GGUF, or model.init.source, into the emptyDir) and links the result to /models/model.
+(dict "ctx" $ "component" c "initImage" <image reference>) */ -}}
+{{- define "meshlm.modelInitContainer" -}}
+{{- $v := .ctx.Values -}}
+{{- $m := $v.model -}}
+{{- if eq $m.source "init" }}
+- name: prepare-model
+  image: {{ .initImage }}
+  imagePullPolicy: {{ $m.init.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import os, pathlib
+      from meshlm.scheduler.model_loader import resolve_model_path
+      src = resolve_model_path(os.environ["MESHLM_MODEL_SOURCE"] or None)
+      link = pathlib.Path(os.environ["MESHLM_MODEL_DIR"])
+      if link.is_symlink() or link.exists():
+          link.unlink()
+      link.symlink_to(src, target_is_directory=True)
+      print(f"model ready: {link} -> {src}", flush=True)
+  env:
+    {{- include "meshlm.cacheEnv" (dict "meshlmCache" "/models/cache") | nindent 4 }}
+    - name: MESHLM_MODEL_SOURCE
+      value: {{ $m.init.source | quote }}
+    - name: MESHLM_MODEL_DIR
+      value: /models/model
+  {{- with $m.init.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: tmp
+      mountPath: /tmp
+    - name: cache
+      mountPath: /cache
+{{- end }}
+{{- end -}}
+
+{{- define "meshlm.baseVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+{{- end -}}
+
+{{- define "meshlm.baseVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /cache
+{{- end -}}
+
+{{- /* ---- documents every chart renders the same way -------------------------------------- */ -}}
+
+{{- /* (dict "ctx" $ "component" c "portName" "grpc"|"http") */ -}}
+{{- define "meshlm.headlessService" -}}
+{{- $v := .ctx.Values -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "meshlm.fullname" . }}-headless
+  labels:
+    {{- include "meshlm.labels" . | nindent 4 }}
+    meshlm.io/service: headless
+spec:
+  type: ClusterIP
+  clusterIP: None
+  # Only ready pods are listed: peers re-resolve this name to find every replica.
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "meshlm.selectorLabels" . | nindent 4 }}
+  ports:
+    - name: {{ .portName }}
+      port: {{ $v.service.port }}
+      targetPort: {{ .portName }}
+      protocol: TCP
+    {{- if and $v.metrics.enabled (ne .component "gateway") }}
+    - name: metrics
+      port: {{ $v.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+    {{- end }}
+{{- end -}}
+
+{{- /* (dict "ctx" $ "component" c "kind" "Deployment"|"StatefulSet") */ -}}
+{{- define "meshlm.hpa" -}}
+{{- $a := .ctx.Values.autoscaling -}}
+{{- if $a.enabled -}}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "meshlm.fullname" . }}
+  labels:
+    {{- include "meshlm.labels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: {{ .kind }}
+    name: {{ include "meshlm.fullname" . }}
+  minReplicas: {{ $a.minReplicas }}
+  maxReplicas: {{ $a.maxReplicas }}
+  metrics:
+    {{- with $a.targetCPUUtilizationPercentage }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ . }}
+    {{- end }}
+    {{- with $a.targetMemoryUtilizationPercentage }}
+    - type: Resource
+      resource:
+        name: memory
+        target:
+          type: Utilization
+          averageUtilization: {{ . }}
+    {{- end }}
+  {{- with $a.behavior }}
+  behavior:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "meshlm.pdb" -}}
+{{- $p := .ctx.Values.pdb -}}
+{{- if $p.enabled -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "meshlm.fullname" . }}
+  labels:
+    {{- include "meshlm.labels" . | nindent 4 }}
+spec:
+  {{- if ne (toString $p.minAvailable) "" }}
+  minAvailable: {{ $p.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ $p.maxUnavailable }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "meshlm.selectorLabels" . | nindent 6 }}
+{{- end -}}
+{{- end -}}
+
+{{- /* (dict "ctx" $ "component" c "port" <port name to scrape>) */ -}}
+{{- define "meshlm.serviceMonitor" -}}
+{{- $m := .ctx.Values.metrics -}}
+{{- if and $m.enabled $m.serviceMonitor.enabled -}}
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ include "meshlm.fullname" . }}
+  labels:
+    {{- include "meshlm.labels" . | nindent 4 }}
+    {{- with $m.serviceMonitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "meshlm.selectorLabels" . | nindent 6 }}
+      meshlm.io/service: headless
+  namespaceSelector:
+    matchNames:
+      - {{ .ctx.Release.Namespace }}
+  endpoints:
+    - port: {{ .port }}
+      path: /metrics
+      interval: {{ $m.serviceMonitor.interval }}
+      scrapeTimeout: {{ $m.serviceMonitor.scrapeTimeout }}
+{{- end -}}
+{{- end -}}

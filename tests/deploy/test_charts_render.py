@@ -1,0 +1,242 @@
+"""Every chart renders with Helm's engine (defaults and the example values), passes Helm's lint,
+and every rendered object validates against the Kubernetes schemas (kubernetes-validate, strict).
+ServiceMonitor has no built-in schema: it is checked structurally against what it must select."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from .charts import (
+    CHARTS,
+    COMPONENTS,
+    HELM_DIR,
+    K8S_VERSIONS,
+    by_kind,
+    component_of,
+    component_values,
+    container,
+    example,
+    flags,
+    manifests,
+    render,
+    selects,
+    workloads,
+)
+
+VALUE_SETS = ("default", "cpu", "tp2", "dp2", "production")
+SEVERITY_ERROR = 3
+
+
+def _values(name: str) -> dict[str, Any]:
+    return {} if name == "default" else example(name)
+
+
+def _cases() -> list[tuple[str, str]]:
+    return [(chart, vs) for chart in (*CHARTS, "meshlm") for vs in VALUE_SETS]
+
+
+def _chart_and_values(umbrella: Path, chart: str, value_set: str) -> tuple[Path, dict[str, Any]]:
+    values = _values(value_set)
+    if chart == "meshlm":
+        return umbrella, values
+    return HELM_DIR / chart, component_values(values, chart.removeprefix("meshlm-"))
+
+
+def validate_structurally(sm: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    """A monitoring.coreos.com/v1 ServiceMonitor must select exactly one rendered Service (in its
+    namespace) whose named port exists, and scrape /metrics on it."""
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(sm) <= {"apiVersion", "kind", "metadata", "spec"}
+    spec = sm["spec"]
+    assert set(spec) <= {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels"}
+    match = spec["selector"]["matchLabels"]
+    services = [s for s in by_kind(docs, "Service") if selects(match, s["metadata"]["labels"])]
+    assert len(services) == 1, (
+        f"ServiceMonitor {sm['metadata']['name']} selects {len(services)} services"
+    )
+    port_names = {p["name"] for p in services[0]["spec"]["ports"]}
+    assert spec["endpoints"], "no endpoints"
+    for ep in spec["endpoints"]:
+        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
+        assert ep["port"] in port_names and ep["path"] == "/metrics"
+        assert ep["interval"].endswith(("s", "m")) and ep["scrapeTimeout"].endswith(("s", "m"))
+    assert spec["namespaceSelector"] == {"matchNames": ["ml"]}
+
+
+@pytest.mark.parametrize("chart", [*CHARTS, "meshlm"])
+def test_helm_lint_reports_no_errors(chart: str, umbrella: Path) -> None:
+    path = umbrella if chart == "meshlm" else HELM_DIR / chart
+    for value_set in VALUE_SETS:
+        _, values = _chart_and_values(umbrella, chart, value_set)
+        report = helm.lint(path, values, strict=True, kube_version="v1.37.0")
+        errors = [m for m in report["messages"] if m["severity"] >= SEVERITY_ERROR]
+        assert not report["errors"] and not errors, f"{chart} ({value_set}): {report}"
+        # strict mode would flag warnings too; only the informational "icon is recommended" is left
+        assert {m["error"] for m in report["messages"]} <= {"icon is recommended"}, report
+
+
+@pytest.mark.parametrize("chart,value_set", _cases())
+def test_renders_and_validates_against_kubernetes_schemas(
+    chart: str, value_set: str, umbrella: Path
+) -> None:
+    path, values = _chart_and_values(umbrella, chart, value_set)
+    docs = manifests(render(path, values))
+    assert workloads(docs), "no workload rendered"
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            validate_structurally(doc, docs)
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(
+                    f"{doc['kind']}/{doc['metadata']['name']} invalid for k8s {version}: "
+                    f"{e.message} at {list(e.path)}"
+                )
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), f"duplicate objects: {names}"
+
+
+def _umbrella_docs(umbrella: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
+    return manifests(render(umbrella, values))
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_peers_are_addressed_by_rendered_headless_services(value_set: str, umbrella: Path) -> None:
+    """Each *-addrs flag names a rendered headless Service and one of its ports, and that Service
+    selects the peer's pods and targets its gRPC container port."""
+    docs = _umbrella_docs(umbrella, _values(value_set))
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    pods = {component_of(w): w["spec"]["template"] for w in workloads(docs)}
+    expected = {
+        "gateway": {"tokenizer-addrs": "tokenizer"},
+        "tokenizer": {"scheduler-addrs": "scheduler", "detokenizer-addrs": "detokenizer"},
+        "scheduler": {"detokenizer-addrs": "detokenizer"},
+    }
+    for w in workloads(docs):
+        for flag, peer in expected.get(component_of(w), {}).items():
+            host, port = flags(container(w))[flag].rsplit(":", 1)
+            svc = services[host]
+            assert svc["spec"]["clusterIP"] == "None", f"{host} is not headless"
+            (svc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+            assert selects(svc["spec"]["selector"], pods[peer]["metadata"]["labels"])
+            named = {
+                p["name"]: p["containerPort"] for p in pods[peer]["spec"]["containers"][0]["ports"]
+            }
+            assert named[svc_port["targetPort"]] == int(port)
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_workload_contract(value_set: str, umbrella: Path) -> None:
+    """Probes, drain budget, entrypoints, security and the scheduler's TP / accelerator / role."""
+    values = _values(value_set)
+    docs = _umbrella_docs(umbrella, values)
+    assert {component_of(w) for w in workloads(docs)} == set(COMPONENTS)
+    for w in workloads(docs):
+        comp, pod = component_of(w), w["spec"]["template"]["spec"]
+        c, f = container(w), flags(container(w))
+        assert c["command"] == ["meshlm", "serve", comp]
+        grace = pod["terminationGracePeriodSeconds"]
+        sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert float(f["grace-period-s"]) == grace - sleep - 5 > 0
+        probe_kind = "httpGet" if comp == "gateway" else "grpc"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert probe_kind in c[probe], (comp, probe)
+        if comp == "gateway":
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        else:
+            assert c["readinessProbe"]["grpc"]["port"] == int(f["port"])
+        assert (
+            pod["securityContext"]["runAsNonRoot"]
+            and c["securityContext"]["readOnlyRootFilesystem"]
+        )
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tmp", "/cache"} <= mounts
+        if comp == "scheduler":
+            sv = values.get("scheduler", {})
+            tp, acc = sv.get("tp", 1), sv.get("accelerator", "cuda")
+            assert w["kind"] == "StatefulSet" and w["spec"]["replicas"] == sv.get("replicaCount", 1)
+            assert f["tp-size"] == str(tp) and f["device"] == acc
+            gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+            assert gpus == (tp if acc == "cuda" else None)
+            assert w["spec"]["template"]["metadata"]["labels"]["meshlm.io/role"] == "unified"
+            assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600
+            assert w["spec"]["serviceName"] in {
+                s["metadata"]["name"] for s in by_kind(docs, "Service")
+            }
+
+
+def test_gateway_api_key_and_helm_test_hook(umbrella: Path) -> None:
+    docs = _umbrella_docs(umbrella, example("production"))
+    (gw,) = [w for w in workloads(docs) if component_of(w) == "gateway"]
+    env = {e["name"]: e for e in container(gw)["env"]}
+    assert env["MESHLM_GATEWAY_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "meshlm-api-key",
+        "key": "api-key",
+    }
+    hooks = [d for d in docs if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    assert [h["kind"] for h in hooks] == ["Pod"]
+    script = hooks[0]["spec"]["containers"][0]["command"][2]
+    assert "/health" in script and "/generate" in script and '"max_new_tokens": 1' in script
+    hook_env = {e["name"]: e for e in hooks[0]["spec"]["containers"][0]["env"]}
+    assert hook_env["MESHLM_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "meshlm-api-key"
+    assert {component_of(h) for h in by_kind(docs, "HorizontalPodAutoscaler")} == {
+        "gateway",
+        "tokenizer",
+        "detokenizer",
+    }
+    assert (
+        len(by_kind(docs, "PodDisruptionBudget")) == 4 and len(by_kind(docs, "ServiceMonitor")) == 4
+    )
+    otlp = {component_of(w): flags(container(w)).get("otlp-endpoint") for w in workloads(docs)}
+    assert set(otlp.values()) == {"otel-collector.observability:4317"}
+
+
+def test_disabled_component_is_left_out(umbrella: Path) -> None:
+    docs = _umbrella_docs(umbrella, {"gateway": {"enabled": False}})
+    assert "gateway" not in {component_of(d) for d in docs if "labels" in d["metadata"]}
+
+
+def test_standalone_charts_of_one_system_find_each_other() -> None:
+    """Installed as four releases with one global.meshlm.system, the names line up."""
+    values = {"global": {"meshlm": {"system": "chat"}}}
+    docs = [
+        d
+        for chart in CHARTS
+        for d in manifests(render(HELM_DIR / chart, values, name=f"r-{chart}"))
+    ]
+    services = {s["metadata"]["name"] for s in by_kind(docs, "Service")}
+    for w in workloads(docs):
+        for flag, value in flags(container(w)).items():
+            if flag.endswith("-addrs"):
+                assert value.rsplit(":", 1)[0] in services, (flag, value)
+
+
+@pytest.mark.parametrize("chart", ["meshlm-scheduler", "meshlm-tokenizer", "meshlm-detokenizer"])
+def test_model_sources(chart: str) -> None:
+    """init: an emptyDir filled by the init container; pvc / hostPath: mounted, no init container."""
+    path_flag = "model-path" if chart == "meshlm-scheduler" else "tokenizer-path"
+    cases = {
+        "pvc": ({"pvc": {"claimName": "models"}}, {"persistentVolumeClaim"}),
+        "hostPath": ({"hostPath": {"path": "/srv/models"}}, {"hostPath"}),
+    }
+    for source, (extra, volume_keys) in cases.items():
+        values = {"model": {"source": source, "path": "qwen2/", **extra}}
+        (w,) = workloads(manifests(render(HELM_DIR / chart, values)))
+        pod = w["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert volume_keys <= set(vol) and "initContainers" not in pod
+        assert flags(container(w))[path_flag] == "/models/qwen2"
+        kubernetes_validate.validate(w, K8S_VERSIONS[0], strict=True)
+    (w,) = workloads(manifests(render(HELM_DIR / chart, {})))
+    (init,) = w["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][:2] == ["python", "-c"] and "resolve_model_path" in init["command"][2]
+    assert flags(container(w))[path_flag] == "/models/model"
+    with pytest.raises(helm.HelmRenderError, match="model.pvc.claimName is required"):
+        render(HELM_DIR / chart, {"model": {"source": "pvc", "path": "x"}})

@@ -1,0 +1,89 @@
+"""The umbrella chart's rendered commands start a working system: render it in CPU mode with one
+replica each, run every init container and container as a local process (kubelet.py maps
+services, ports and volumes onto loopback and temp dirs), wait for the rendered probes, complete
+a request through the gateway, run the `helm test` hook, then SIGTERM and expect a clean drain."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from .charts import NAMESPACE, example, flags, manifests, render
+from .kubelet import LocalCluster
+
+API_KEY = "deploy-test-key"
+
+
+def post(url: str, body: dict[str, Any], key: Optional[str]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 (loopback)
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.timeout(300)
+def test_rendered_umbrella_runs_as_local_processes(
+    umbrella: Path, smollm_path: str, tmp_path: Path
+) -> None:
+    values = example("cpu")
+    values["gateway"] = {"apiKey": {"secretName": "meshlm-api-key", "secretKey": "api-key"}}
+    docs = manifests(render(umbrella, values))
+    hooks = [d for d in docs if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    docs = [d for d in docs if d not in hooks]
+    cluster = LocalCluster(
+        docs, tmp_path / "pods", NAMESPACE, {("meshlm-api-key", "api-key"): API_KEY}
+    )
+    try:
+        # Seed each pod's model emptyDir with this machine's conversion cache, so the init
+        # containers' resolve_model_path() is a cache hit instead of a 30 s GGUF conversion.
+        for pod in cluster.pods.values():
+            if pod.spec.get("initContainers"):
+                (pod.volume("models") / "cache").mkdir()
+                (pod.volume("models") / "cache" / "models").symlink_to(Path(smollm_path).parent)
+        cluster.run_init_containers(timeout_s=120)
+        for pod in cluster.pods.values():
+            if pod.spec.get("initContainers"):
+                assert (pod.volume("models") / "model" / "tokenizer.json").is_file(), pod.name
+        cluster.start()
+        for pod in cluster.pods.values():  # every peer address named a rendered Service
+            argv = cluster.argv(pod, pod.spec["containers"][0])
+            for flag, value in flags({"args": argv[3:]}).items():
+                if flag.endswith("-addrs"):
+                    assert value.startswith("127.0.0.1:"), (pod.name, flag, value)
+        cluster.wait_ready(timeout_s=180)
+
+        gw = cluster.pods["gateway"]
+        url = f"http://127.0.0.1:{gw.ports[gw.named['http']]}"
+        body = {
+            "text": "The capital of France is",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        }
+        status, out = post(url + "/generate", body, API_KEY)
+        assert status == 200, out
+        assert out["meta_info"]["completion_tokens"] == 4 and out["text"].strip(), out
+        assert out["meta_info"]["finish_reason"]["type"] == "length", out
+        status, out = post(url + "/generate", body, None)
+        assert status == 401, out  # the key from the Secret is enforced
+
+        (hook,) = hooks
+        rc, log = cluster.run_pod(hook, tmp_path / "helm-test", timeout_s=120)
+        assert rc == 0 and "meshlm ok:" in log, log
+
+        codes = cluster.stop()
+        assert codes == {name: 0 for name in cluster.pods}, (
+            codes,
+            {n: p.log(n) for n, p in cluster.pods.items()},
+        )
+    finally:
+        cluster.close()

@@ -1,0 +1,485 @@
+"""Engine features beyond greedy golden tokens, on SmolLM2-135M in float32: prefix caching,
+sampling controls, request validation, logprobs, streaming and abort. Every test ends with the
+KV pools whole (free + evictable == capacity, nothing locked, no request row held)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from meshlm.scheduler.engine import Engine, RequestError
+
+from .conftest import assert_pools_whole
+
+SYSTEM = (
+    "You are the assistant of a small bakery in Lyon. Answer in one short sentence, quote prices "
+    "in euros, recommend the bread of the day when it fits, and never invent opening hours or "
+    "products that are not on the menu: baguette, pain de campagne, croissant, brioche. "
+) * 2
+QUESTIONS = [
+    "What bread do you sell?",
+    "Do you have croissants today?",
+    "How much is a baguette?",
+    "Is the brioche sweet?",
+]
+STORY = "Write a short story about a cat."
+EMOJI = "Write three emoji about the sea 🌊 and say 你好"
+LP_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
+    "Within a few decades printing shops had spread to more than two hundred European cities."
+)
+
+
+def greedy(max_new_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, **extra}
+
+
+def chat(engine: Engine, text: str, system: str | None = None) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return engine.apply_chat_template(msgs)
+
+
+def common_prefix_len(seqs: list[list[int]]) -> int:
+    n = 0
+    while all(len(s) > n and s[n] == seqs[0][n] for s in seqs):
+        n += 1
+    return n
+
+
+async def collect(gen) -> list[dict[str, Any]]:
+    return [d async for d in gen]
+
+
+@pytest.fixture
+def engine(smollm_engine: Engine):
+    """The shared engine; after the test its pools must be whole again."""
+    yield smollm_engine
+    assert_pools_whole(smollm_engine)
+
+
+@pytest.fixture(scope="module")
+def small_engine(smollm_path: str):
+    """A 128-token context (cheap length checks) and 16-token prefill chunks."""
+    eng = Engine(
+        model_path=smollm_path, context_length=128, chunked_prefill_size=16, max_total_tokens=2048,
+        load_progress=False,
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bakery(smollm_engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts sharing a long system prompt, and each one's greedy output on an empty cache."""
+    prompts = [chat(smollm_engine, q, SYSTEM) for q in QUESTIONS]
+    outputs = []
+    for ids in prompts:
+        assert smollm_engine.flush_cache().success
+        r = smollm_engine.generate_sync(input_ids=ids, sampling_params=greedy(12))
+        assert r["meta_info"]["cached_tokens"] == 0
+        outputs.append(r["output_ids"])
+    return prompts, outputs
+
+
+# ---- 1. prefix caching -------------------------------------------------------------------
+def test_shared_prefix_is_computed_once(engine: Engine, bakery) -> None:
+    prompts, expected = bakery
+    shared = common_prefix_len(prompts)
+    assert shared >= 100
+    stats = engine.scheduler.stats
+    assert engine.flush_cache().success
+
+    before = stats.extend_tokens
+    first = engine.generate_sync(input_ids=prompts[0], sampling_params=greedy(12))
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert stats.extend_tokens - before == len(prompts[0])
+
+    before = stats.extend_tokens
+    rest = engine.generate_batch_sync([{"input_ids": p, "sampling_params": greedy(12)} for p in prompts[1:]])
+    cached = [r["meta_info"]["cached_tokens"] for r in rest]
+    assert all(c >= shared for c in cached), (cached, shared)
+    assert stats.extend_tokens - before == sum(len(p) - c for p, c in zip(prompts[1:], cached))
+    assert [first["output_ids"]] + [r["output_ids"] for r in rest] == expected
+
+
+def test_shared_prefix_submitted_together_is_computed_once(engine: Engine, bakery) -> None:
+    """Requests sharing a prefix that arrive in the same round: one computes the prefix, the
+    others wait a round and reuse it from the radix cache (in-batch prefix sharing)."""
+    prompts, expected = bakery
+    shared = common_prefix_len(prompts)
+    stats = engine.scheduler.stats
+    assert engine.flush_cache().success
+    before = stats.extend_tokens
+    res = engine.generate_batch_sync([{"input_ids": p, "sampling_params": greedy(12)} for p in prompts])
+    cached = sorted(r["meta_info"]["cached_tokens"] for r in res)
+    assert cached[0] == 0 and all(c >= shared for c in cached[1:]), (cached, shared)
+    assert stats.extend_tokens - before == sum(len(p) for p in prompts) - sum(cached)
+    assert [r["output_ids"] for r in res] == expected
+
+
+def test_max_new_tokens_zero_is_prefill_only(engine: Engine) -> None:
+    out = engine.generate_sync(input_ids=engine.tokenize("Hello there"), sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_prefix_reuse_in_waves_with_pages_and_lpm(smollm_path: str, engine: Engine, bakery) -> None:
+    """page_size 16 + lpm + 64-token chunks: the second wave (shared-prefix requests submitted
+    together with unrelated ones) reuses the first wave's prefix, rounded down to pages."""
+    prompts, expected = bakery
+    shared = common_prefix_len(prompts)
+    others = [engine.tokenize("The quick brown fox"), engine.tokenize("def fibonacci(n):")]
+    other_out = [engine.generate_sync(input_ids=o, sampling_params=greedy(12))["output_ids"] for o in others]
+    with Engine(
+        model_path=smollm_path, page_size=16, schedule_policy="lpm", chunked_prefill_size=64,
+        max_total_tokens=4096, load_progress=False,
+    ) as eng:
+        stats = eng.scheduler.stats
+        before = stats.extend_tokens
+        first = eng.generate_sync(input_ids=prompts[0], sampling_params=greedy(12))
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert stats.extend_tokens - before == len(prompts[0])
+
+        wave = [others[0]] + prompts[1:] + [others[1]]
+        before = stats.extend_tokens
+        res = eng.generate_batch_sync([{"input_ids": p, "sampling_params": greedy(12)} for p in wave])
+        cached = [r["meta_info"]["cached_tokens"] for r in res]
+        assert cached[0] == 0 and cached[-1] == 0
+        assert all(c >= shared // 16 * 16 and c % 16 == 0 for c in cached[1:-1]), cached
+        assert stats.extend_tokens - before == sum(len(p) - c for p, c in zip(wave, cached))
+        assert [first["output_ids"]] + [r["output_ids"] for r in res[1:-1]] == expected
+        assert [res[0]["output_ids"], res[-1]["output_ids"]] == other_out
+        assert_pools_whole(eng)
+
+
+# ---- 3. sampling -------------------------------------------------------------------------
+def test_sampling_seed_is_reproducible_when_batched(engine: Engine) -> None:
+    story = chat(engine, STORY)
+    seeded = {"temperature": 0.8, "max_new_tokens": 24, "sampling_seed": 1234, "ignore_eos": True}
+    alone = engine.generate_sync(input_ids=story, sampling_params=seeded)["output_ids"]
+    assert len(alone) == 24
+    res = engine.generate_batch_sync([
+        {"input_ids": chat(engine, "Name a color."), "sampling_params": {"temperature": 1.0, "max_new_tokens": 16}},
+        {"input_ids": story, "sampling_params": seeded},
+        {"input_ids": story, "sampling_params": {**seeded, "sampling_seed": 4321}},
+        {"input_ids": engine.tokenize("The quick brown fox"), "sampling_params": greedy(12)},
+    ])
+    assert res[1]["output_ids"] == alone
+    assert res[2]["output_ids"] != alone
+    top1 = engine.generate_sync(input_ids=story, sampling_params=greedy(24, ignore_eos=True))["output_ids"]
+    assert alone != top1  # temperature 0.8 really samples
+
+
+def test_top_k_1_equals_greedy(engine: Engine) -> None:
+    story = chat(engine, STORY)
+    res = engine.generate_batch_sync([
+        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True)},
+        {"input_ids": story, "sampling_params": {**greedy(24, ignore_eos=True), "temperature": 0.8, "top_k": 1}},
+        {"input_ids": story, "sampling_params": {"temperature": 1.3, "top_p": 0.9, "max_new_tokens": 24}},
+    ])
+    assert res[0]["output_ids"] == res[1]["output_ids"]
+
+
+def test_penalties_change_the_output(engine: Engine) -> None:
+    emoji = chat(engine, EMOJI)  # greedy repeats the same emoji over and over
+    story = chat(engine, STORY)
+
+    def max_count(out: list[int]) -> int:
+        return max(out.count(t) for t in set(out))
+
+    res = engine.generate_batch_sync([
+        {"input_ids": emoji, "sampling_params": greedy(24, ignore_eos=True)},
+        {"input_ids": emoji, "sampling_params": greedy(24, ignore_eos=True, frequency_penalty=1.5)},
+        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True)},
+        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True, presence_penalty=2.0)},
+        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True, repetition_penalty=1.5)},
+    ])
+    emoji_plain, emoji_freq, plain, pres, rep = (r["output_ids"] for r in res)
+    assert max_count(emoji_freq) < max_count(emoji_plain)
+    assert pres != plain and rep != plain
+
+
+def test_logit_bias_forces_a_token(engine: Engine) -> None:
+    token = engine.tokenize(" cat")[0]
+    sp = greedy(10, logit_bias={str(token): 100.0})
+    r = engine.generate_sync(input_ids=chat(engine, STORY), sampling_params=sp)
+    assert r["output_ids"] == [token] * 10
+    assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+
+
+def test_min_new_tokens_defers_eos(engine: Engine) -> None:
+    ids = chat(engine, "Say only the word yes.")
+    eos = set(engine.model_config.eos_token_ids)
+    short = engine.generate_sync(input_ids=ids, sampling_params=greedy(40))["output_ids"]
+    assert len(short) < 10 and short[-1] in eos
+    r = engine.generate_sync(input_ids=ids, sampling_params=greedy(40, min_new_tokens=10))
+    out = r["output_ids"]
+    assert len(out) >= 10
+    assert not eos & set(out[:-1])  # EOS, if any, only ends the output
+
+
+def test_stop_token_ids(engine: Engine) -> None:
+    story = chat(engine, STORY)
+    plain = engine.generate_sync(input_ids=story, sampling_params=greedy(24, ignore_eos=True))["output_ids"]
+    stop = plain[4]
+    assert stop not in plain[:4]
+    r = engine.generate_sync(input_ids=story, sampling_params=greedy(24, stop_token_ids=[stop]))
+    assert r["output_ids"] == plain[:5]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert r["text"] == engine.tokenizer.decode(plain[:4])
+    kept = engine.generate_sync(input_ids=story, sampling_params=greedy(24, stop_token_ids=[stop], no_stop_trim=True))
+    assert kept["text"] == engine.tokenizer.decode(plain[:5])
+
+
+def test_stop_strings_are_trimmed_streamed_or_not(engine: Engine) -> None:
+    story = chat(engine, STORY)
+    text = engine.generate_sync(input_ids=story, sampling_params=greedy(24, ignore_eos=True))["text"]
+    words = text.split(" ")
+    for stop in (" ".join(words[2:4]), words[5]):  # a multi-token stop string and a one-word one
+        prefix = text[: text.find(stop)]
+        sp = greedy(24, stop=[stop, "@@never@@"])
+        r = engine.generate_sync(input_ids=story, sampling_params=sp)
+        assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert r["text"] == prefix
+        deltas = asyncio.run(collect(engine.generate_stream(input_ids=story, sampling_params=sp)))
+        assert "".join(d["text"] for d in deltas) == prefix  # no part of the stop string leaks
+        assert deltas[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        kept = engine.generate_sync(input_ids=story, sampling_params={**sp, "no_stop_trim": True})
+        assert kept["text"].startswith(prefix + stop)
+
+
+# ---- 4. request checks -------------------------------------------------------------------
+def test_prompt_longer_than_context_is_rejected(small_engine: Engine) -> None:
+    for n in (130, 128):
+        with pytest.raises(RequestError) as err:
+            small_engine.generate_sync(input_ids=[100] * n, sampling_params=greedy(4))
+        assert err.value.status_code == 400
+        assert f"{n} tokens" in err.value.message and "128 tokens" in err.value.message
+    assert_pools_whole(small_engine)
+
+
+def test_max_new_tokens_is_clamped_to_the_context(small_engine: Engine) -> None:
+    # A request may hold context_length - 1 tokens (prompt + outputs); see Scheduler._validate.
+    r = small_engine.generate_sync(input_ids=[100] * 120, sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+    assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 128 - 120 - 1}
+    assert len(r["output_ids"]) == 7
+    assert_pools_whole(small_engine)
+
+
+BAD_PARAMS = [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"no_such_param": 1}, "no_such_param"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_new_tokens": 1.5}, "max_new_tokens"),
+    ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"logit_bias": {"not-a-token": 1.0}}, "logit_bias"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("params,field", BAD_PARAMS, ids=[f for _, f in BAD_PARAMS])
+def test_invalid_sampling_params_are_rejected(engine: Engine, params: dict, field: str) -> None:
+    with pytest.raises(RequestError) as err:
+        engine.generate_sync("Hello", sampling_params=params)
+    assert err.value.status_code == 400
+    assert field in err.value.message
+
+
+def test_invalid_logprob_args_are_rejected(engine: Engine) -> None:
+    ids = engine.tokenize(LP_TEXT)
+    for kwargs, field in (
+        ({"logprob_start_len": len(ids)}, "logprob_start_len"),
+        ({"logprob_start_len": len(ids) + 5}, "logprob_start_len"),
+        ({"top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"token_ids_logprob": [10**9]}, "token_ids_logprob"),
+    ):
+        with pytest.raises(RequestError) as err:
+            engine.generate_sync(input_ids=ids, sampling_params=greedy(2), return_logprob=True, **kwargs)
+        assert err.value.status_code == 400 and field in err.value.message
+
+
+def test_rejected_requests_do_not_disturb_others(engine: Engine) -> None:
+    story = chat(engine, STORY)
+    expected = engine.generate_sync(input_ids=story, sampling_params=greedy(16))["output_ids"]
+    too_long = [100] * (engine.scheduler.max_req_len + 1)
+
+    async def run() -> list[Any]:
+        reqs = [engine.generate(input_ids=story, sampling_params=greedy(16))]
+        reqs += [engine.generate(input_ids=story, sampling_params=p) for p, _ in BAD_PARAMS[:8]]
+        reqs += [
+            engine.generate(input_ids=too_long, sampling_params=greedy(4)),
+            engine.generate(input_ids=story, sampling_params=greedy(4), return_logprob=True, logprob_start_len=10**6),
+            engine.generate(input_ids=story, sampling_params=greedy(16)),
+        ]
+        return list(await asyncio.gather(*reqs, return_exceptions=True))
+
+    res = asyncio.run(run())
+    assert all(isinstance(r, RequestError) and r.status_code == 400 for r in res[1:-1])
+    assert res[0]["output_ids"] == expected and res[-1]["output_ids"] == expected
+
+
+# ---- 5. logprobs -------------------------------------------------------------------------
+def _hf_logprobs(hf_smollm, ids: list[int]) -> torch.Tensor:
+    """log_softmax of HF's logits; row j predicts prompt token j + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_smollm(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _logprob_request(engine: Engine, ids: list[int], start: int = 0) -> dict[str, Any]:
+    return engine.generate_sync(
+        input_ids=ids, sampling_params=greedy(4), return_logprob=True, logprob_start_len=start,
+        top_logprobs_num=3, token_ids_logprob=[11, 500, ids[3]],
+    )["meta_info"]
+
+
+def test_input_logprobs_match_hf(engine: Engine, hf_smollm) -> None:
+    ids = engine.tokenize(LP_TEXT)
+    watch = [11, 500, ids[3]]
+    assert engine.flush_cache().success
+    meta = _logprob_request(engine, ids)
+    ref = _hf_logprobs(hf_smollm, ids)
+    lps, tops, by_id = meta["input_token_logprobs"], meta["input_top_logprobs"], meta["input_token_ids_logprobs"]
+    assert len(lps) == len(tops) == len(by_id) == len(ids)
+    assert [t for _, t in lps] == ids
+    assert lps[0][0] is None and tops[0] == [] and by_id[0] == []
+    for k in range(1, len(ids)):
+        row = ref[k - 1]
+        assert abs(lps[k][0] - row[ids[k]].item()) < 1e-3
+        vals = [v for v, _ in tops[k]]
+        assert len(vals) == 3 and vals == sorted(vals, reverse=True)
+        assert [t for _, t in tops[k]] == row.topk(3).indices.tolist()
+        assert max(abs(v - r) for v, r in zip(vals, row.topk(3).values.tolist())) < 1e-3
+        assert vals[0] >= lps[k][0] - 1e-5
+        for v, t in tops[k]:
+            if t == ids[k]:
+                assert abs(v - lps[k][0]) < 1e-5
+        assert [t for _, t in by_id[k]] == watch
+        assert max(abs(v - row[t].item()) for v, t in by_id[k]) < 1e-3
+    outs, out_tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(outs) == len(out_tops) == 4
+    for (lp, tok), top in zip(outs, out_tops):
+        assert top[0][1] == tok and abs(top[0][0] - lp) < 1e-5  # greedy takes the top token
+
+
+def test_chunked_prefill_input_logprobs_equal_unchunked(engine: Engine, small_engine: Engine) -> None:
+    ids = engine.tokenize(LP_TEXT)
+    assert len(ids) > 3 * 16  # four or more chunks
+    whole = _logprob_request(engine, ids)
+    chunked = _logprob_request(small_engine, ids)
+    assert [t for _, t in chunked["input_token_logprobs"]] == ids
+    assert chunked["input_token_logprobs"][0][0] is None
+    pairs = zip(whole["input_token_logprobs"][1:], chunked["input_token_logprobs"][1:])
+    diffs = [abs(a - b) for (a, _), (b, _) in pairs]
+    assert max(diffs) < 1e-4
+    assert [[t for _, t in row] for row in chunked["input_top_logprobs"]] == [
+        [t for _, t in row] for row in whole["input_top_logprobs"]
+    ]
+    assert len(chunked["input_token_ids_logprobs"]) == len(ids)
+    assert [t for _, t in chunked["output_token_logprobs"]] == [t for _, t in whole["output_token_logprobs"]]
+    assert_pools_whole(small_engine)
+
+
+def test_cached_prefix_still_returns_input_logprobs(engine: Engine) -> None:
+    ids = engine.tokenize(LP_TEXT)
+    assert engine.flush_cache().success
+    first = _logprob_request(engine, ids)
+    again = _logprob_request(engine, ids)
+    assert again["cached_tokens"] == 0  # the match stops before the first wanted logprob
+    assert len(again["input_token_logprobs"]) == len(ids)
+    assert max(
+        abs(a - b) for (a, _), (b, _) in zip(first["input_token_logprobs"][1:], again["input_token_logprobs"][1:])
+    ) < 1e-5
+    start = 20
+    tail = _logprob_request(engine, ids, start)
+    assert tail["cached_tokens"] == start - 1  # row start-1 predicts token start: computed again
+    assert [t for _, t in tail["input_token_logprobs"]] == ids[start:]
+    assert max(
+        abs(a - b) for (a, _), (b, _) in zip(first["input_token_logprobs"][start:], tail["input_token_logprobs"])
+    ) < 1e-4
+    assert len(tail["input_top_logprobs"]) == len(ids) - start
+
+
+# ---- 6. streaming and abort --------------------------------------------------------------
+def test_stream_deltas_concatenate_without_partial_characters(engine: Engine) -> None:
+    ids = chat(engine, EMOJI)
+    tok = engine.tokenizer
+    out = engine.generate_sync(input_ids=ids, sampling_params=greedy(30))["output_ids"]
+    # Multi-token characters are in the output, so incomplete UTF-8 really has to be held back.
+    assert any("\ufffd" in tok.decode([t]) for t in out)
+    # Stop where the output ends on a whole character (a cut character is U+FFFD for good).
+    n = max(k for k in range(1, len(out) + 1) if not tok.decode(out[:k]).endswith("\ufffd"))
+    assert n >= 15
+    whole = engine.generate_sync(input_ids=ids, sampling_params=greedy(n))
+    deltas = asyncio.run(collect(engine.generate_stream(input_ids=ids, sampling_params=greedy(n))))
+    assert len(deltas) > 3
+    assert [d["finished"] for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert all("\ufffd" not in d["text"] for d in deltas)
+    assert "".join(d["text"] for d in deltas) == whole["text"]
+    assert sum((d["output_ids"] for d in deltas), []) == whole["output_ids"]
+    assert any(ord(c) > 0x2000 for c in whole["text"])
+
+
+def _wait_idle(engine: Engine, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        load = engine.get_load()
+        if load.num_running_reqs == 0 and load.num_queue_reqs == 0 and load.num_used_tokens == 0:
+            return
+        assert time.monotonic() < deadline, load
+        time.sleep(0.02)
+
+
+def test_closing_a_stream_aborts_the_request(engine: Engine) -> None:
+    long = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 400}
+
+    async def read_three_then_close() -> list[dict[str, Any]]:
+        gen = engine.generate_stream(input_ids=chat(engine, STORY), sampling_params=long)
+        got = []
+        async for d in gen:
+            got.append(d)
+            if len(got) == 3:
+                break
+        assert engine.get_load().num_running_reqs == 1
+        await gen.aclose()
+        return got
+
+    got = asyncio.run(read_three_then_close())
+    assert not any(d["finished"] for d in got)
+    _wait_idle(engine)
+
+
+def test_cancelling_a_consumer_aborts_the_request(engine: Engine) -> None:
+    long = {"temperature": 0.7, "ignore_eos": True, "max_new_tokens": 400}
+
+    async def cancel_after_three() -> int:
+        seen = asyncio.Event()
+        count = 0
+
+        async def consume() -> None:
+            nonlocal count
+            async for _ in engine.generate_stream(input_ids=chat(engine, STORY), sampling_params=long):
+                count += 1
+                if count == 3:
+                    seen.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(seen.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return count
+
+    assert asyncio.run(cancel_after_three()) < 400
+    _wait_idle(engine)

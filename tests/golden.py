@@ -1,0 +1,60 @@
+"""Golden prompts and the HF transformers reference they are checked against (engine and
+end-to-end tests share them; the fixtures live in tests/conftest.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GOLDEN_NEW_TOKENS = 32
+
+RAW_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "La capitale de la France est",
+    "東京は日本の",
+    "Once upon a time, in a land far away, there lived a",
+]
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explique la photosynthèse en une phrase.",
+    "List three prime numbers.",
+]
+
+
+@dataclass(frozen=True)
+class Golden:
+    input_ids: list[int]
+    output_ids: list[int]  # HF greedy continuation (up to and including EOS, if reached)
+    logprobs: list[float]  # log_softmax of HF's logits at each generated token
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def compute_golden(model, tokenizer) -> list[Golden]:
+    """HF transformers greedy generation in float32, one prompt at a time (no padding)."""
+    prompts = [list(tokenizer(p).input_ids) for p in RAW_PROMPTS]
+    prompts += [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
+    out: list[Golden] = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=GOLDEN_NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        new = gen.sequences[0, len(ids):].tolist()
+        lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, new)]
+        out.append(Golden(ids, new, lps))
+    return out

@@ -197,10 +197,11 @@ def test_tokenize_detokenize_health_reflection(tok, smollm_tokenizer):
             )
             assert d.text == "<|im_start|>Hello world"
 
+            # Without a scheduler or a detokenizer the tokenizer answers, but is not ready.
             health = health_pb2_grpc.HealthStub(r.channel)
             for service in ("", "meshlm.v1.TokenizerService"):
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
             refl = reflection_pb2_grpc.ServerReflectionStub(r.channel)
 
@@ -633,6 +634,17 @@ def test_embed_and_model_kind_checks(tok):
             assert e.code() == CODE.INVALID_ARGUMENT and "embedding model; use Embed" in e.details()
         async with ring(tok) as r:  # a generation model embeds too (last-token pooling)
             await ring_ready(r)
+            health = health_pb2_grpc.HealthStub(r.channel)
+
+            async def serving() -> bool:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            for _ in range(50):  # readiness follows the peers within a poll period
+                if await serving():
+                    break
+                await asyncio.sleep(0.1)
+            assert await serving()
             await wait_for(lambda: r.manager.model_info is not None)
             emb = await r.stub.Embed(tokenizer_pb2.EmbedRequest(prompts=[text_prompt("a")]))
             assert len(emb.results) == 1 and r.schedulers[0].seen.embed

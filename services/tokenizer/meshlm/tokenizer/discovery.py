@@ -31,9 +31,10 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
 
 
 class Backoff:
-    """Exponential backoff with jitter: 0.1 s doubling to `cap` s; reset() after a success."""
+    """Exponential backoff with jitter: 0.1 s doubling to `cap` s (short, so a peer that comes
+    up is found well within the request connect timeout); reset() after a success."""
 
-    def __init__(self, initial: float = 0.1, cap: float = 5.0) -> None:
+    def __init__(self, initial: float = 0.1, cap: float = 1.0) -> None:
         self.initial = initial
         self.cap = cap
         self._next = initial

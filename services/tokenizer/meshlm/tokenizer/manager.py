@@ -106,6 +106,10 @@ class TokenizerManager:
         await self.schedulers.close()
         await self.detokenizers.close()
 
+    def peers_ready(self) -> bool:
+        """Readiness: a scheduler stream and a detokenizer subscription are up, not draining."""
+        return not self.draining and bool(self.schedulers.connected()) and bool(self.detokenizers.connected())
+
     async def load_tokenizer(self, timeout: float = 600.0) -> HFTokenizer:
         """The tokenizer of config.tokenizer_path, else of the tokenizer_path a scheduler
         reports in GetModelInfo (waits up to `timeout` for one)."""

@@ -122,10 +122,24 @@ async def start_server(
             TokenizerServicer(manager), server.server
         )
         await server.start()
+        await server.set_serving(manager.peers_ready())
+        manager._bg.append(asyncio.create_task(_track_readiness(server, manager)))
     except BaseException:
         await manager.close()
         raise
     return server, manager
+
+
+async def _track_readiness(server: GrpcServer, manager: TokenizerManager, period_s: float = 0.2) -> None:
+    """Health follows the peers: SERVING only while a scheduler and a detokenizer are reachable,
+    so Kubernetes (and `meshlm launch`) route traffic only to a tokenizer that can serve it."""
+    serving = manager.peers_ready()
+    while True:
+        await asyncio.sleep(period_s)
+        ready = manager.peers_ready()
+        if ready != serving:
+            await server.set_serving(ready)
+            serving = ready
 
 
 async def serve(config: TokenizerConfig) -> int:

@@ -138,7 +138,7 @@ def print_table(rows: list[Result], baseline: Optional[list[Result]] = None) -> 
         for s, e in zip(rows, baseline):
             sv, ev = s.row(), e.row()
             print(f"  conc {s.concurrency:>3}: out tok/s ratio {sv['out tok/s'] / ev['out tok/s']:.3f}   "
-                  f"p50 TTFT +{sv['ttft p50 ms'] - ev['ttft p50 ms']:.1f} ms   "
+                  f"p50 TTFT {sv['ttft p50 ms'] - ev['ttft p50 ms']:+.1f} ms   "
                   f"p50 ITL ratio {sv['itl p50 ms'] / max(ev['itl p50 ms'], 1e-9):.3f}")
 
 

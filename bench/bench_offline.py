@@ -16,8 +16,10 @@ Every (system, workload[, batch size]) measurement runs in its own fresh subproc
 RSS printed is that process's high-water mark (getrusage ru_maxrss): interpreter + torch + weights
 + (ours) the preallocated KV pool + activations, over load, warm-up and the timed run.
 
-    python bench/bench_offline.py --quick      # smoke run, ~2-3 min on 2 cores
-    python bench/bench_offline.py              # full run (64 prompts; tens of minutes on 2 cores)
+    python bench/bench_offline.py --quick      # smoke run, ~3 min on 2 cores
+    python bench/bench_offline.py --threads 1  # full run, 64 prompts: ~75 min on 2 cores
+
+With --json PATH every measurement is written to PATH as soon as it finishes.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "HF batch sizes 8,16")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="prompts per workload (default 64, quick 16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and lengths (default 0)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of both systems (default float32)")
     p.add_argument("--hf-batch-sizes", default=None,
@@ -186,6 +189,9 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         results = engine.generate_batch_sync([req(p, n) for p, n in zip(prompts, out_lens)])
         elapsed = time.perf_counter() - t0
         cpu = _cpu_delta(c0, elapsed)
+        # The last step's stats are recorded after its outputs went out: a control round trip
+        # (answered at the top of the next loop iteration) makes sure they are in.
+        engine.get_load()
         s1 = {k: getattr(st, k) for k in keys}
         d = {k: s1[k] - s0[k] for k in keys}
         got = [len(r["output_ids"]) for r in results]
@@ -339,32 +345,43 @@ def main() -> None:
             spec = {**base, "workload": name, "prompts": wl["prompts"],
                     "output_lens": wl["output_lens"]}
             res: dict[str, Any] = {"desc": wl["desc"], "hf": []}
+            all_res[name] = res
             if "ours" in args.systems:
                 r = launch({
                     **spec, "system": "ours",
                     "max_total_tokens": args.max_total_tokens or need + 2048,
                     "max_running_requests": args.max_running_requests or max(64, args.num_prompts),
                 }, tmp)
-                progress(f"[{name}] ours     ", r)
                 res["ours"] = r
+                progress(f"[{name}] ours     ", r, args, all_res)
             if "hf" in args.systems:
                 for bs in args.hf_batch_sizes:
                     r = launch({**spec, "system": "hf", "batch_size": bs}, tmp)
-                    progress(f"[{name}] HF bs={bs:<3d}", r)
                     res["hf"].append(r)
-            all_res[name] = res
+                    progress(f"[{name}] HF bs={bs:<3d}", r, args, all_res)
     total_s = time.perf_counter() - t_start
     report(args, all_res, total_s)
+    save(args, all_res)
+
+
+def save(args: argparse.Namespace, all_res: dict[str, dict[str, Any]]) -> None:
+    """Write everything measured so far to --json (after every measurement)."""
     if args.json:
         with open(args.json, "w") as f:
             kept = {k: v for k, v in vars(args).items() if k != "_worker"}
             json.dump({"args": kept, "results": all_res}, f, indent=1)
 
 
-def progress(label: str, r: dict[str, Any]) -> None:
+def progress(label: str, r: dict[str, Any], args: argparse.Namespace,
+             all_res: dict[str, dict[str, Any]]) -> None:
+    extra = ""
+    if r.get("decode_steps"):
+        extra = (f", decode ovhd {(1 - r['decode_forward_s'] / r['decode_step_s']) * 100:.1f}% "
+                 f"mean bs {r['decode_tokens'] / r['decode_steps']:.1f}")
     print(f"{label} {r['tps']:8.1f} tok/s  ({r['elapsed_s']:.1f}s, peak RSS "
           f"{r['peak_rss_mib']:.0f} MiB, cores own {r['own_cores']:.2f} "
-          f"others {r['other_cores']:.2f})", flush=True)
+          f"others {r['other_cores']:.2f}{extra})", flush=True)
+    save(args, all_res)
 
 
 def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s: float) -> None:

@@ -118,9 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description="meshlm: LLM inference as gRPC services")
-    parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="warning", help="logging level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete prompts with the in-process engine")
+    gen = sub.add_parser("generate", help="complete prompts with the in-process engine", parents=[common])
     from meshlm.launch.engine_flags import add_engine_flags
 
     add_engine_flags(gen)
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     gen.set_defaults(func=_generate)
 
-    lau = sub.add_parser("launch", help="start all four services as processes on loopback")
+    lau = sub.add_parser("launch", help="start all four services as processes on loopback", parents=[common])
     lau.add_argument("--host", default="127.0.0.1", help="address every service binds (default: 127.0.0.1)")
     lau.add_argument("--port", type=int, default=30000, help="HTTP port of the gateway (default: 30000)")
     lau.add_argument("--grpc-port", type=int, default=30001, help="public gRPC port of tokenizer 0 (default: 30001)")
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = getattr(args, "log_level", "warning").upper()  # `serve` passes its flags to the component
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
 
 

@@ -6,8 +6,8 @@ bottom-right corner of the [extend_len, seq_len] score matrix. A request without
 prefix attends over its fresh k/v directly (no gather).
 
 DECODE: one batched SDPA call. Cache positions of all requests are gathered into a padded
-[B, L_max] index matrix (built once per forward in init_forward_metadata); a key mask hides
-positions >= seq_len_i.
+[B, L_max] layout (index and gather buffers built once per forward in init_forward_metadata);
+a key mask hides positions >= seq_len_i.
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class _DecodeMeta:
-    kv_idx: torch.Tensor  # [B, L_max] KV slots, padded with slot 0
+    flat_idx: torch.Tensor  # [B * L_max] KV slots, row-major, padded with slot 0
     key_mask: torch.Tensor  # [B, 1, 1, L_max] True where a key may be attended
+    # Gather buffers reused by every layer of this forward (fresh tensors per layer cost
+    # mostly page faults): [B * L_max, H_kv, D].
+    k_gather: torch.Tensor
+    v_gather: torch.Tensor
 
 
 @dataclass
@@ -46,7 +50,16 @@ class TorchNativeAttnBackend(AttentionBackend):
             kv_idx = table[fb.req_pool_indices, :max_len]
             lens = fb.seq_lens.to(kv_idx.device)
             mask = torch.arange(max_len, device=kv_idx.device)[None, :] < lens[:, None]
-            fb.attn_metadata = _DecodeMeta(kv_idx.masked_fill(~mask, 0), mask[:, None, None, :])
+            pool = fb.token_to_kv_pool
+            assert pool is not None
+            k0 = pool.get_key_buffer(0)
+            shape = (kv_idx.numel(), k0.shape[1], k0.shape[2])
+            fb.attn_metadata = _DecodeMeta(
+                kv_idx.masked_fill(~mask, 0).reshape(-1),
+                mask[:, None, None, :],
+                torch.empty(shape, dtype=k0.dtype, device=k0.device),
+                torch.empty(shape, dtype=k0.dtype, device=k0.device),
+            )
             return
         bounds, kv_idx, start = [], [], 0
         rows = fb.req_pool_indices.tolist()
@@ -72,17 +85,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             meta = fb.attn_metadata
             assert isinstance(meta, _DecodeMeta)
-            keys = k_buf[meta.kv_idx].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-            vals = v_buf[meta.kv_idx].transpose(1, 2).to(q.dtype)
+            b, h, d = q.shape
+            hkv = layer.num_kv_heads
+            torch.index_select(k_buf, 0, meta.flat_idx, out=meta.k_gather)
+            torch.index_select(v_buf, 0, meta.flat_idx, out=meta.v_gather)
+            keys = meta.k_gather.view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            vals = meta.v_gather.view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
+            # GQA without expanding K/V: query head j uses KV head j // G, so the G query heads
+            # of a KV head act as G query positions attending to the same keys.
             out = F.scaled_dot_product_attention(
-                q.unsqueeze(2),  # [B, H, 1, D]
-                keys,
-                vals,
-                attn_mask=meta.key_mask,
-                scale=layer.scaling,
-                enable_gqa=gqa,
+                q.view(b, hkv, h // hkv, d), keys, vals, attn_mask=meta.key_mask, scale=layer.scaling
             )
-            return out.squeeze(2)
+            return out.reshape(b, h, d)
         meta = fb.attn_metadata
         assert isinstance(meta, _ExtendMeta)
         out = torch.empty_like(q)

@@ -307,7 +307,8 @@ async def _stream_completion(
                 out = outputs.setdefault(index, Output(index))
                 out.add(response)
                 if out.aborted:
-                    yield sse_error(abort_error(out.finish).status, abort_error(out.finish).message)
+                    err = abort_error(out.finish)
+                    yield sse_error(err.status, err.message)
                     break
                 prefix = echoes[index // body.n] if first and echoes else ""
                 if first:
@@ -416,7 +417,8 @@ async def _stream_chat(request: Request, st: GatewayState, greq: tokenizer_pb2.G
                 out = outputs.setdefault(index, Output(index))
                 out.add(response)
                 if out.aborted:
-                    yield sse_error(abort_error(out.finish).status, abort_error(out.finish).message)
+                    err = abort_error(out.finish)
+                    yield sse_error(err.status, err.message)
                     break
                 if first:  # the first delta of each choice carries the role
                     yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))

@@ -13,7 +13,13 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import grpc
-from meshlm.tokenizer.discovery import RESOLVE_INTERVAL_S, Backoff, insecure_channel, resolve_all
+from meshlm.tokenizer.discovery import (
+    RESOLVE_INTERVAL_S,
+    Backoff,
+    insecure_channel,
+    refresh_forever,
+    resolve_all,
+)
 from meshlm.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 
 logger = logging.getLogger(__name__)
@@ -119,7 +125,9 @@ class DetokenizerPool:
 
     async def start(self) -> None:
         await self._refresh()
-        self._task = asyncio.create_task(self._resolve_loop(), name="detokenizer-resolve")
+        self._task = asyncio.create_task(
+            refresh_forever(self.resolve_interval_s, self._refresh, "detokenizer"), name="detokenizer-resolve"
+        )
 
     async def close(self) -> None:
         if self._task is not None:
@@ -146,14 +154,6 @@ class DetokenizerPool:
             for w in waits:
                 w.cancel()
         return bool(self.connected())
-
-    async def _resolve_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.resolve_interval_s)
-            try:
-                await self._refresh()
-            except Exception:
-                logger.exception("re-resolving detokenizer addresses failed")
 
     async def _refresh(self) -> None:
         endpoints = await resolve_all(self.addresses)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 from meshlm.common.addresses import resolve
@@ -62,3 +62,14 @@ async def resolve_all(addresses: Sequence[str]) -> list[str]:
             if endpoint not in out:
                 out.append(endpoint)
     return out
+
+
+async def refresh_forever(interval_s: float, refresh: Callable[[], Awaitable[None]], what: str) -> None:
+    """Call `refresh` every interval_s (DNS re-resolution of a peer list); a failed refresh is
+    logged and retried next period, never fatal."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await refresh()
+        except Exception:
+            logger.exception("re-resolving %s addresses failed", what)

@@ -19,7 +19,13 @@ from typing import Optional, Protocol, Sequence
 
 import grpc
 from meshlm.common.errors import ServiceError
-from meshlm.tokenizer.discovery import RESOLVE_INTERVAL_S, Backoff, insecure_channel, resolve_all
+from meshlm.tokenizer.discovery import (
+    RESOLVE_INTERVAL_S,
+    Backoff,
+    insecure_channel,
+    refresh_forever,
+    resolve_all,
+)
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -248,7 +254,9 @@ class SchedulerPool:
 
     async def start(self) -> None:
         await self._refresh()
-        self._task = asyncio.create_task(self._resolve_loop(), name="scheduler-resolve")
+        self._task = asyncio.create_task(
+            refresh_forever(self.resolve_interval_s, self._refresh, "scheduler"), name="scheduler-resolve"
+        )
 
     async def close(self) -> None:
         if self._task is not None:
@@ -282,14 +290,6 @@ class SchedulerPool:
                 for w in waits:
                     w.cancel()
         return True
-
-    async def _resolve_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.resolve_interval_s)
-            try:
-                await self._refresh()
-            except Exception:
-                logger.exception("re-resolving scheduler addresses failed")
 
     async def _refresh(self) -> None:
         endpoints = await resolve_all(self.addresses)

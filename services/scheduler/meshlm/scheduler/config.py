@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 POLICIES = ("fcfs", "lpm")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class SchedulerConfig:
     attention_backend: str = "torch_native"
     random_seed: Optional[int] = None
     tp_size: int = 1
+    disaggregation_mode: str = "null"  # null = unified; prefill / decode = PD roles
     load_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -54,6 +56,10 @@ class SchedulerConfig:
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
         need(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        need(
+            self.disaggregation_mode in DISAGGREGATION_MODES,
+            f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}",
+        )
         if self.max_total_tokens is not None:
             need(self.max_total_tokens >= 16, f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.max_running_requests is not None:
@@ -87,6 +93,10 @@ class SchedulerConfig:
             "attention_backend": "attention implementation: torch_native",
             "random_seed": "seed of the global sampler RNG",
             "tp_size": "tensor-parallel size (ranks in this scheduler's pod)",
+            "disaggregation_mode": (
+                "prefill/decode disaggregation role: null (prefill and decode here) | prefill "
+                "(compute prompts, hand KV + first token to a decode scheduler) | decode"
+            ),
             "load_progress": "show a progress bar while loading weights",
         }
         for f in fields(SchedulerConfig):

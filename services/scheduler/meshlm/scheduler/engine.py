@@ -30,6 +30,7 @@ from meshlm.scheduler.managers.io_struct import (
     LoadReport,
     OpenSessionOutput,
     OpenSessionReq,
+    PrefilledReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -59,10 +60,19 @@ class _ReqState:
 
 class Engine:
     """In-process engine. Construct once; call generate/encode from any asyncio loop, or the
-    *_sync helpers from plain code. `shutdown()` stops the loop thread."""
+    *_sync helpers from plain code. `shutdown()` stops the loop thread.
 
-    def __init__(self, config: Optional[SchedulerConfig] = None, **overrides: Any) -> None:
+    Prefill/decode disaggregation in one process: an Engine with
+    disaggregation_mode="prefill" hands each prefilled request to `decode_engine` (an Engine
+    with disaggregation_mode="decode"), whose outputs reach the caller of this Engine."""
+
+    def __init__(
+        self, config: Optional[SchedulerConfig] = None, *, decode_engine: Optional["Engine"] = None, **overrides: Any
+    ) -> None:
         config = (config or SchedulerConfig()).replace(**overrides) if overrides else (config or SchedulerConfig())
+        if (config.disaggregation_mode == "prefill") != (decode_engine is not None):
+            raise ValueError("decode_engine is required with disaggregation_mode='prefill', and only then")
+        self._decode = decode_engine
         self._states: dict[str, _ReqState] = {}
         self._controls: "dict[int, concurrent.futures.Future[Any]]" = {}
         self._lock = threading.Lock()
@@ -95,6 +105,20 @@ class Engine:
         elif isinstance(msg, BatchEmbeddingOut):
             for i, rid in enumerate(msg.rids):
                 self._deliver(rid, {"kind": "embedding", "msg": msg, "i": i})
+        elif isinstance(msg, PrefilledReq):
+            self._hand_over(msg)
+
+    def _hand_over(self, msg: PrefilledReq) -> None:
+        """Prefill role: the decode engine continues the request and delivers its outputs to
+        this caller's queue. A request whose caller already left is dropped here."""
+        assert self._decode is not None
+        with self._lock:
+            st = self._states.get(msg.req.rid)
+        if st is None:
+            return
+        with self._decode._lock:
+            self._decode._states[msg.req.rid] = st
+        self._decode.port.put(msg)
 
     def _deliver(self, rid: str, item: dict[str, Any]) -> None:
         with self._lock:
@@ -128,6 +152,8 @@ class Engine:
     def _unregister(self, rid: str) -> None:
         with self._lock:
             self._states.pop(rid, None)
+        if self._decode is not None:
+            self._decode._unregister(rid)
 
     async def generate_stream(
         self,
@@ -179,7 +205,7 @@ class Engine:
         finally:
             self._unregister(rid)
             if not finished:
-                self.port.put(AbortReq(rid=rid))
+                self.abort(rid)
 
     def _token_delta(self, rid: str, st: _ReqState, msg: BatchTokenIDOut, i: int) -> dict[str, Any]:
         reason = msg.finished_reasons[i]
@@ -289,6 +315,8 @@ class Engine:
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.port.put(AbortReq(rid=rid, abort_all=abort_all))
+        if self._decode is not None:
+            self._decode.abort(rid, abort_all)
 
     # ---- sync helpers ---------------------------------------------------------------------
     def generate_batch_sync(self, requests: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

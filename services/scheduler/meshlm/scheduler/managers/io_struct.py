@@ -32,6 +32,29 @@ class TokenizedGenerateReqInput:
 
 
 @dataclass
+class PrefilledReq:
+    """A generation request whose prompt a prefill scheduler already computed (prefill/decode
+    disaggregation): what a decode scheduler needs to continue it without recomputing.
+
+    Invariants: `output_ids` holds the first sampled token (exactly one); `kv` is the prompt's
+    KV as a CPU tensor [layers, 2 (K, V), len(req.input_ids), kv_heads, head_dim] in the
+    model's dtype; the logprob lists are the request's state after its prefill (input
+    logprobs complete, one output entry when return_logprob).
+    """
+
+    req: TokenizedGenerateReqInput
+    output_ids: list[int]
+    kv: Any
+    cached_tokens: int = 0
+    input_token_logprobs: list[Optional[float]] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    output_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+
+@dataclass
 class TokenizedEmbeddingReqInput:
     rid: str
     input_ids: list[int]

@@ -70,6 +70,15 @@ class FinishAbort(BaseFinishReason):
         }
 
 
+@dataclass(frozen=True)
+class FinishTransferred(BaseFinishReason):
+    """Internal to a prefill scheduler: the request moved to a decode scheduler, which
+    finishes it. Never emitted (stream_output skips it)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "transferred"}
+
+
 class Req:
     """Mutable per-request state, owned by the scheduler thread alone."""
 

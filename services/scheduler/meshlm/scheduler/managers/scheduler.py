@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -28,9 +29,11 @@ from meshlm.scheduler.managers.io_struct import (
     GetLoadReq,
     LoadReport,
     OpenSessionReq,
+    PrefilledReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from meshlm.scheduler.managers.disaggregation import DisaggregationMixin
 from meshlm.scheduler.managers.port import SchedulerPort
 from meshlm.scheduler.managers.req import FinishAbort, Req
 from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
@@ -54,7 +57,7 @@ RETRACT_DECODE_STEPS = 20
 IN_BATCH_PREFIX_TOKENS = 32  # SGLang's IN_BATCH_PREFIX_CACHING thresholds
 
 
-class Scheduler(SchedulerOutputMixin):
+class Scheduler(SchedulerOutputMixin, DisaggregationMixin):
     def __init__(
         self, config: SchedulerConfig, model_config: ModelConfig, tokenizer: Any, port: SchedulerPort
     ) -> None:
@@ -75,6 +78,8 @@ class Scheduler(SchedulerOutputMixin):
         self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, config.page_size)
         self.policy = SchedulePolicy(config.schedule_policy, self.tree_cache, not config.disable_radix_cache)
         self.waiting_queue: list[Req] = []
+        # Decode role: requests prefilled elsewhere, waiting for a row and KV slots here.
+        self.transfer_queue: deque[tuple[Req, torch.Tensor]] = deque()
         self.running_batch = self._new_batch([])
         self.last_batch: Optional[ScheduleBatch] = None
         self.chunked_req: Optional[Req] = None
@@ -98,7 +103,10 @@ class Scheduler(SchedulerOutputMixin):
         forward's logits are inference tensors that sampling and penalties modify in place."""
         with torch.inference_mode():
             while not self._stop.is_set():
-                idle = self.last_batch is None and not self.waiting_queue and self.running_batch.is_empty()
+                idle = (
+                    self.last_batch is None and not self.waiting_queue and not self.transfer_queue
+                    and self.running_batch.is_empty()
+                )
                 self.process_input_requests(self.port.recv_requests(block=idle, timeout=0.05))
                 self.step()
 
@@ -123,6 +131,8 @@ class Scheduler(SchedulerOutputMixin):
         for msg in msgs:
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.handle_generate_request(msg)
+            elif isinstance(msg, PrefilledReq):
+                self.handle_prefilled_request(msg)
             elif isinstance(msg, TokenizedEmbeddingReqInput):
                 self.handle_embedding_request(msg)
             elif isinstance(msg, AbortReq):
@@ -151,13 +161,9 @@ class Scheduler(SchedulerOutputMixin):
         cap = self.config.max_queued_requests
         return cap is not None and len(self.waiting_queue) >= cap
 
-    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
-        sp = recv.sampling_params
-        input_ids, session_error = recv.input_ids, None
-        if recv.session_id is not None:
-            input_ids, session_error = self.sessions.resolve_input(recv)
-        req = Req(
-            recv.rid, input_ids, sp,
+    def new_req(self, recv: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
+        return Req(
+            recv.rid, input_ids, recv.sampling_params,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             return_logprob=recv.return_logprob,
             logprob_start_len=recv.logprob_start_len,
@@ -167,6 +173,12 @@ class Scheduler(SchedulerOutputMixin):
             origin_input_text=recv.input_text,
             session_id=recv.session_id,
         )
+
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        input_ids, session_error = recv.input_ids, None
+        if recv.session_id is not None:
+            input_ids, session_error = self.sessions.resolve_input(recv)
+        req = self.new_req(recv, input_ids)
         if session_error is not None:
             return self._reject(req, *session_error)
         error = self._validate(req)
@@ -241,6 +253,7 @@ class Scheduler(SchedulerOutputMixin):
             return abort.abort_all or rid == abort.rid or rid.startswith(abort.rid + "_")
 
         reason = FinishAbort(abort.message, 499, "Aborted")
+        self.abort_transferred(hit, reason)
         for req in [r for r in self.waiting_queue if hit(r.rid)]:
             self.waiting_queue.remove(req)  # waiting requests hold no KV and no locks
             req.finished_reason = reason
@@ -263,7 +276,9 @@ class Scheduler(SchedulerOutputMixin):
         """Whether any unfinished request is waiting, chunked, decoding or just prefilled (an
         EXTEND batch's requests join the running batch only at the next get_next_batch_to_run,
         and finished ones leave it only then)."""
-        return bool(self.waiting_queue or self.chunked_req is not None or self._running_reqs())
+        return bool(
+            self.waiting_queue or self.transfer_queue or self.chunked_req is not None or self._running_reqs()
+        )
 
     def _running_reqs(self) -> list[Req]:
         """Unfinished requests holding KV: decoding, or prefilled and not merged yet."""
@@ -285,7 +300,7 @@ class Scheduler(SchedulerOutputMixin):
         used = self.num_used_tokens()
         return LoadReport(
             num_running_reqs=len(self._running_reqs()),
-            num_queue_reqs=len(self.waiting_queue),
+            num_queue_reqs=len(self.waiting_queue) + len(self.transfer_queue),
             num_used_tokens=used,
             max_total_num_tokens=self.max_total_num_tokens,
             cache_hit_rate=self.stats.cache_hit_rate(),
@@ -308,6 +323,8 @@ class Scheduler(SchedulerOutputMixin):
                 last.sampling_info.filter_batch(keep)
                 last.sampling_reqs = [last.sampling_reqs[i] for i in keep]
             self.running_batch.merge_batch(last)
+        if self.transfer_queue:
+            self.admit_transferred()
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
@@ -459,7 +476,10 @@ class Scheduler(SchedulerOutputMixin):
 
     def on_idle(self) -> None:
         self.new_token_ratio = self.init_new_token_ratio
-        if self.chunked_req is None and not self.waiting_queue and self.running_batch.is_empty():
+        if (
+            self.chunked_req is None and not self.waiting_queue and not self.transfer_queue
+            and self.running_batch.is_empty()
+        ):
             self.check_memory()
 
     def check_memory(self) -> None:

@@ -14,6 +14,7 @@ from meshlm.scheduler.managers.req import (
     FinishLength,
     FinishMatchedStr,
     FinishMatchedToken,
+    FinishTransferred,
     Req,
 )
 from meshlm.scheduler.sampling.sampler import compute_logprobs
@@ -33,6 +34,8 @@ class SchedulerOutputMixin:
     config: Any
     model_config: Any
     chunked_req: Any
+    should_transfer: Any
+    transfer_prefilled: Any
 
     # ---- results --------------------------------------------------------------------------
     def process_batch_result_prefill(
@@ -62,6 +65,8 @@ class SchedulerOutputMixin:
             self.check_finished(req)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
+            elif self.should_transfer(req):
+                self.transfer_prefilled(req)
             else:
                 # Make the prompt's KV shareable with requests arriving meanwhile.
                 self.tree_cache.cache_unfinished_req(req)
@@ -200,7 +205,7 @@ class SchedulerOutputMixin:
                 times.first_token = now
             if req.finished_reason is not None and not times.finished:
                 times.finished = now
-            if not self._should_emit(req):
+            if isinstance(req.finished_reason, FinishTransferred) or not self._should_emit(req):
                 continue
             out.rids.append(req.rid)
             out.prompt_tail_ids.append(req.origin_input_ids[-5:] if req.send_token_offset == 0 else [])

@@ -174,11 +174,26 @@ def common(component: str, resources: dict[str, Any], grace: int,
                           {"enum": ["debug", "info", "warning", "error"]}, "info"),
         "logFormat": Field("Log format (--log-format).", {"enum": ["text", "json"]}, "json"),
         "tls": Obj(
-            "mTLS between services: NOT IMPLEMENTED YET. The services have no TLS flags, so "
-            "tls.enabled=true fails the render rather than deploying plaintext under a TLS label.",
-            {"enabled": Field("Must stay false until the services implement TLS.", BOOL, False),
-             "secretName": Field("Reserved: the kubernetes.io/tls Secret (tls.crt, tls.key, "
-                                 "ca.crt) to mount once TLS exists.", STR, "")}),
+            "Mutual TLS on every gRPC link: each service presents the Secret's certificate and "
+            "accepts only peers whose certificate ca.crt signed. Give every chart of a system the "
+            "same tls values (a TLS service refuses plaintext peers); clients of the tokenizer's "
+            "public gRPC API then need a certificate of that CA too. The gateway's HTTP side is "
+            "unchanged: only its gRPC client to the tokenizers uses TLS.", {
+                "enabled": Field(
+                    "Mount tls.secretName read-only at /etc/meshlm/tls, pass --tls-cert-file, "
+                    "--tls-key-file and --tls-ca-file, and move the gRPC probes to "
+                    "tls.healthPort.", BOOL, False),
+                "secretName": Field(
+                    "Existing kubernetes.io/tls Secret holding tls.crt, tls.key and ca.crt (e.g. "
+                    "a cert-manager Certificate); required when tls.enabled. The certificate must "
+                    "allow server and client auth and name every peer address the services dial "
+                    "(<system>-meshlm-<tokenizer|scheduler|detokenizer>-headless, or your *Addrs "
+                    "hosts). Files are mode 0440, readable through podSecurityContext.fsGroup.",
+                    STR, ""),
+                "healthPort": Field(
+                    "Plaintext port that serves grpc.health.v1 and nothing else (--health-port), "
+                    "for the kubelet's gRPC probes, which cannot speak TLS; used while "
+                    "tls.enabled. The gateway's HTTP probes do not need it.", PORT, 8081)}),
         "extraArgs": Field("Extra flags appended to the container args, as --flag=value (see "
                            "`meshlm serve <component> --help`).", STR_LIST, []),
         "extraEnv": Field("Extra environment variables (MESHLM_<COMPONENT>_<FLAG> sets any flag).",

@@ -3,12 +3,13 @@
 Each Deployment / StatefulSet (one replica) becomes a pod: its init containers run to completion,
 then its container runs with the rendered command, args and env, as is. Only the Kubernetes
 plumbing is mapped onto this machine:
-  * each containerPort gets a free loopback port; `--port=` / `--metrics-port=` args are rewritten
-    to it and `--host=0.0.0.0` to 127.0.0.1;
+  * each containerPort gets a free loopback port; `--port=` / `--metrics-port=` / `--health-port=`
+    args are rewritten to it and `--host=0.0.0.0` to 127.0.0.1;
   * `<service>[.<ns>[.svc[.cluster.local]]]:<port>` in args and env becomes 127.0.0.1:<the local
     port of the pod that Service selects, for its targetPort>; unknown names are left alone;
-  * a volume is a directory of the pod (emptyDir: shared by the pod's containers), and a value
-    under a container's mountPath is rewritten to it;
+  * a volume is a directory of the pod (emptyDir: shared by the pod's containers; secret: a copy
+    of the files in `secret_files[secretName]`), and a value under a container's mountPath is
+    rewritten to it;
   * secretKeyRef env comes from the `secrets` dict; `python` is this interpreter.
 Probes are evaluated as the kubelet would: grpc.health.v1 Check for `grpc`, GET for `httpGet`.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,9 +68,11 @@ class LocalCluster:
         root: Path,
         namespace: str,
         secrets: Optional[dict[tuple[str, str], str]] = None,
+        secret_files: Optional[dict[str, Path]] = None,
     ) -> None:
         self.namespace = namespace
         self.secrets = secrets or {}
+        secret_files = secret_files or {}
         self.pods: dict[str, Pod] = {}
         for w in workloads(docs):
             assert w["spec"].get("replicas", 1) == 1, (
@@ -83,6 +87,9 @@ class LocalCluster:
                     pod.ports[p["containerPort"]] = free_port()
                     pod.named[p["name"]] = p["containerPort"]
             for v in tpl["spec"]["volumes"]:
+                if "secret" in v:
+                    shutil.copytree(secret_files[v["secret"]["secretName"]], pod.volume(v["name"]))
+                    continue
                 assert "emptyDir" in v, f"{pod.name}: volume {v['name']} is not an emptyDir"
                 pod.volume(v["name"]).mkdir(parents=True)
             self.pods[pod.name] = pod
@@ -119,7 +126,7 @@ class LocalCluster:
         if not (arg.startswith("--") and "=" in arg):
             return self._value(pod, c, arg)
         flag, value = arg.split("=", 1)
-        if flag in ("--port", "--metrics-port"):
+        if flag in ("--port", "--metrics-port", "--health-port"):
             return f"{flag}={pod.ports[int(value)]}"
         if flag == "--host" and value == "0.0.0.0":
             return "--host=127.0.0.1"

@@ -150,8 +150,9 @@ def test_workload_contract(value_set: str, umbrella: Path) -> None:
             assert probe_kind in c[probe], (comp, probe)
         if comp == "gateway":
             assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-        else:
-            assert c["readinessProbe"]["grpc"]["port"] == int(f["port"])
+        else:  # under TLS the kubelet probes the plaintext health port
+            probe_port = f["health-port"] if "tls-cert-file" in f else f["port"]
+            assert c["readinessProbe"]["grpc"]["port"] == int(probe_port)
         assert (
             pod["securityContext"]["runAsNonRoot"]
             and c["securityContext"]["readOnlyRootFilesystem"]
@@ -196,6 +197,57 @@ def test_gateway_api_key_and_helm_test_hook(umbrella: Path) -> None:
     )
     otlp = {component_of(w): flags(container(w)).get("otlp-endpoint") for w in workloads(docs)}
     assert set(otlp.values()) == {"otel-collector.observability:4317"}
+
+
+TLS_ON = {"enabled": True, "secretName": "meshlm-tls"}
+TLS_DIR = "/etc/meshlm/tls"
+
+
+@pytest.mark.parametrize("chart", [*CHARTS, "meshlm"])
+def test_tls_mounts_the_secret_passes_the_flags_and_moves_the_probes(
+    chart: str, umbrella: Path
+) -> None:
+    if chart == "meshlm":
+        path, health_port = umbrella, 8081  # the default
+        values: dict[str, Any] = {c: {"tls": TLS_ON} for c in COMPONENTS}
+    else:
+        path, health_port = HELM_DIR / chart, 8181
+        values = {"tls": {**TLS_ON, "healthPort": health_port}}
+    docs = manifests(render(path, values))
+    for doc in docs:
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    assert workloads(docs)
+    for w in workloads(docs):
+        comp, pod = component_of(w), w["spec"]["template"]["spec"]
+        c, f = container(w), flags(container(w))
+        assert [v for v in pod["volumes"] if v["name"] == "tls"] == [
+            {"name": "tls", "secret": {"secretName": "meshlm-tls", "defaultMode": 0o440}}
+        ]
+        assert [m for m in c["volumeMounts"] if m["name"] == "tls"] == [
+            {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
+        ]
+        for init in pod.get("initContainers", []):
+            assert "tls" not in {m["name"] for m in init["volumeMounts"]}
+        assert (f["tls-cert-file"], f["tls-key-file"], f["tls-ca-file"]) == (
+            f"{TLS_DIR}/tls.crt",
+            f"{TLS_DIR}/tls.key",
+            f"{TLS_DIR}/ca.crt",
+        )
+        if comp == "gateway":  # HTTP probes; TLS only on its gRPC client
+            assert "health-port" not in f and "readinessProbe" in c
+            assert [p["name"] for p in c["ports"]] == ["http"]
+            assert all("httpGet" in c[p] for p in ("startupProbe", "livenessProbe"))
+            continue
+        assert int(f["health-port"]) == health_port != int(f["port"])
+        assert {"name": "health", "containerPort": health_port, "protocol": "TCP"} in c["ports"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": health_port}, (comp, probe)
+    plain = manifests(render(path, {} if chart == "meshlm" else {"tls": {"secretName": "x"}}))
+    for w in workloads(plain):
+        c = container(w)
+        assert not any(a.startswith(("--tls-", "--health-port")) for a in c["args"])
+        assert "tls" not in {v["name"] for v in w["spec"]["template"]["spec"]["volumes"]}
 
 
 def test_disabled_component_is_left_out(umbrella: Path) -> None:

@@ -1,7 +1,9 @@
 """The umbrella chart's rendered commands start a working system: render it in CPU mode with one
 replica each, run every init container and container as a local process (kubelet.py maps
 services, ports and volumes onto loopback and temp dirs), wait for the rendered probes, complete
-a request through the gateway, run the `helm test` hook, then SIGTERM and expect a clean drain."""
+a request through the gateway, run the `helm test` hook, then SIGTERM and expect a clean drain.
+The mtls variant sets tls.enabled in every chart, with the Secret's files from a throwaway CA: the
+rendered --tls-* flags and the probes on the plaintext health port must work as rendered."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .charts import NAMESPACE, example, flags, manifests, render
+from tests.tls_certs import make_pki
+
+from .charts import COMPONENTS, NAMESPACE, example, flags, manifests, render
 from .kubelet import LocalCluster
 
 API_KEY = "deploy-test-key"
@@ -32,17 +38,37 @@ def post(url: str, body: dict[str, Any], key: Optional[str]) -> tuple[int, dict[
         return e.code, json.loads(e.read() or b"{}")
 
 
+def plaintext_health(address: str) -> Optional[int]:
+    """grpc.health.v1 Check over a plaintext channel: the status, or None when refused."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            req = health_pb2.HealthCheckRequest()
+            return health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status
+    except grpc.RpcError:
+        return None
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mtls"])
 def test_rendered_umbrella_runs_as_local_processes(
-    umbrella: Path, smollm_path: str, tmp_path: Path
+    umbrella: Path, smollm_path: str, tmp_path: Path, tls: bool
 ) -> None:
     values = example("cpu")
     values["gateway"] = {"apiKey": {"secretName": "meshlm-api-key", "secretKey": "api-key"}}
+    secret_files: dict[str, Path] = {}
+    if tls:  # the kubelet maps every Service to 127.0.0.1: the certificate names that IP
+        secret_files["meshlm-tls"] = make_pki(tmp_path / "meshlm-tls").ca_file.parent
+        for component in COMPONENTS:
+            values.setdefault(component, {})["tls"] = {"enabled": True, "secretName": "meshlm-tls"}
     docs = manifests(render(umbrella, values))
     hooks = [d for d in docs if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
     docs = [d for d in docs if d not in hooks]
     cluster = LocalCluster(
-        docs, tmp_path / "pods", NAMESPACE, {("meshlm-api-key", "api-key"): API_KEY}
+        docs,
+        tmp_path / "pods",
+        NAMESPACE,
+        {("meshlm-api-key", "api-key"): API_KEY},
+        secret_files,
     )
     try:
         # Seed each pod's model emptyDir with this machine's conversion cache, so the init
@@ -58,10 +84,17 @@ def test_rendered_umbrella_runs_as_local_processes(
         cluster.start()
         for pod in cluster.pods.values():  # every peer address named a rendered Service
             argv = cluster.argv(pod, pod.spec["containers"][0])
-            for flag, value in flags({"args": argv[3:]}).items():
+            pod_flags = flags({"args": argv[3:]})
+            for flag, value in pod_flags.items():
                 if flag.endswith("-addrs"):
                     assert value.startswith("127.0.0.1:"), (pod.name, flag, value)
-        cluster.wait_ready(timeout_s=180)
+            if tls:  # the Secret's files, mounted where the flags point
+                assert pod_flags["tls-ca-file"] == str(pod.volume("tls") / "ca.crt"), pod.name
+        cluster.wait_ready(timeout_s=180)  # under TLS the probes use the plaintext health port
+        tok = cluster.pods["tokenizer"]
+        grpc_status = plaintext_health(f"127.0.0.1:{tok.ports[tok.named['grpc']]}")
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert grpc_status == (None if tls else serving)  # TLS refuses a plaintext client
 
         gw = cluster.pods["gateway"]
         url = f"http://127.0.0.1:{gw.ports[gw.named['http']]}"

@@ -174,12 +174,29 @@ def test_umbrella_rejects_invalid_values(
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("chart", CHARTS)
-def test_tls_fails_loudly_until_the_services_implement_it(chart: str) -> None:
-    with pytest.raises(
-        helm.HelmRenderError, match="mTLS between meshlm services is not implemented yet"
-    ):
-        render(HELM_DIR / chart, {"tls": {"enabled": True, "secretName": "meshlm-tls"}})
+@pytest.mark.parametrize("chart", ALL_CHARTS)
+def test_tls_without_a_secret_is_rejected(chart: str, umbrella: Path) -> None:
+    message = "tls.secretName is required when tls.enabled=true"
+    if chart == "meshlm":
+        with pytest.raises(helm.HelmRenderError, match=message):
+            render(umbrella, {"tokenizer": {"tls": {"enabled": True}}})
+        return
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(HELM_DIR / chart, {"tls": {"enabled": True}})
+    with pytest.raises(helm.HelmValuesError, match="at '/tls': additional properties 'secret'"):
+        render(HELM_DIR / chart, {"tls": {"enabled": True, "secret": "meshlm-tls"}})
+    with pytest.raises(helm.HelmValuesError, match="at '/tls/healthPort'"):
+        render(HELM_DIR / chart, {"tls": {"enabled": True, "secretName": "s", "healthPort": 0}})
+
+
+@pytest.mark.parametrize("chart", ["meshlm-scheduler", "meshlm-tokenizer", "meshlm-detokenizer"])
+def test_tls_health_port_must_not_collide(chart: str) -> None:
+    tls = {"enabled": True, "secretName": "meshlm-tls", "healthPort": 9090}
+    message = r"tls.healthPort \(9090\) must differ from metrics.port"
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(HELM_DIR / chart, {"tls": tls, "metrics": {"enabled": True}})
+    with pytest.raises(helm.HelmRenderError, match=r"must differ from service.port"):
+        render(HELM_DIR / chart, {"tls": tls, "service": {"port": 9090}})
 
 
 def test_drain_budget_must_fit_the_grace_period() -> None:

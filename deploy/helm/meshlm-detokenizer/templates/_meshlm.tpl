@@ -65,8 +65,24 @@ terminationGracePeriodSeconds with 5 s to spare for the final server stop. */ -}
 {{- define "meshlm.validate" -}}
 {{- $v := .ctx.Values -}}
 {{- if $v.tls.enabled -}}
-{{- fail "tls.enabled: mTLS between meshlm services is not implemented yet (the services have no TLS flags); keep tls.enabled=false" -}}
+{{- $_ := required "tls.secretName is required when tls.enabled=true: name a kubernetes.io/tls Secret holding tls.crt, tls.key and ca.crt" $v.tls.secretName -}}
+{{- if and (ne .component "gateway") (eq (int $v.tls.healthPort) (int $v.service.port)) -}}
+{{- fail (printf "tls.healthPort (%d) must differ from service.port" (int $v.tls.healthPort)) -}}
 {{- end -}}
+{{- if and (ne .component "gateway") $v.metrics.enabled (eq (int $v.tls.healthPort) (int $v.metrics.port)) -}}
+{{- fail (printf "tls.healthPort (%d) must differ from metrics.port" (int $v.tls.healthPort)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* mTLS: the Secret's files under this directory (tls.enabled). */ -}}
+{{- define "meshlm.tlsDir" -}}/etc/meshlm/tls{{- end -}}
+
+{{- /* The gRPC probes' port: the service port, or the plaintext health port under TLS (the
+kubelet's gRPC probes cannot speak TLS). */ -}}
+{{- define "meshlm.probePort" -}}
+{{- $v := .ctx.Values -}}
+{{- if $v.tls.enabled -}}{{ $v.tls.healthPort }}{{- else -}}{{ $v.service.port }}{{- end -}}
 {{- end -}}
 
 {{- /* Flags every service takes, as container args. */ -}}
@@ -82,6 +98,14 @@ terminationGracePeriodSeconds with 5 s to spare for the final server stop. */ -}
 {{- end }}
 {{- if and $v.metrics.enabled (ne .component "gateway") }}
 - --metrics-port={{ $v.metrics.port }}
+{{- end }}
+{{- if $v.tls.enabled }}
+- --tls-cert-file={{ include "meshlm.tlsDir" . }}/tls.crt
+- --tls-key-file={{ include "meshlm.tlsDir" . }}/tls.key
+- --tls-ca-file={{ include "meshlm.tlsDir" . }}/ca.crt
+{{- if ne .component "gateway" }}
+- --health-port={{ $v.tls.healthPort }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -115,6 +139,15 @@ terminationGracePeriodSeconds with 5 s to spare for the final server stop. */ -}
 {{- if and .ctx.Values.metrics.enabled (ne .component "gateway") -}}
 - name: metrics
   containerPort: {{ .ctx.Values.metrics.port }}
+  protocol: TCP
+{{- end -}}
+{{- end -}}
+
+{{- /* The plaintext grpc.health.v1 port of a gRPC service under TLS (its probes' target). */ -}}
+{{- define "meshlm.healthPort" -}}
+{{- if and .ctx.Values.tls.enabled (ne .component "gateway") -}}
+- name: health
+  containerPort: {{ .ctx.Values.tls.healthPort }}
   protocol: TCP
 {{- end -}}
 {{- end -}}
@@ -171,24 +204,26 @@ annotations:
 {{- end }}
 {{- end -}}
 
-{{- /* gRPC health probes (grpc.health.v1, served by every internal service). */ -}}
+{{- /* gRPC health probes (grpc.health.v1, served by every internal service; under TLS on the
+plaintext health port). */ -}}
 {{- define "meshlm.grpcProbes" -}}
 {{- $v := .ctx.Values -}}
+{{- $port := include "meshlm.probePort" . -}}
 startupProbe:
   grpc:
-    port: {{ $v.service.port }}
+    port: {{ $port }}
   periodSeconds: {{ $v.startupProbe.periodSeconds }}
   failureThreshold: {{ $v.startupProbe.failureThreshold }}
   timeoutSeconds: 5
 livenessProbe:
   grpc:
-    port: {{ $v.service.port }}
+    port: {{ $port }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
 readinessProbe:
   grpc:
-    port: {{ $v.service.port }}
+    port: {{ $port }}
   periodSeconds: 5
   timeoutSeconds: 3
   failureThreshold: 2
@@ -268,11 +303,19 @@ GGUF, or model.init.source, into the emptyDir) and links the result to /models/m
 {{- end }}
 {{- end -}}
 
+{{- /* /tmp and /cache, and the TLS Secret when tls.enabled (mode 0440: readable by the
+non-root user through podSecurityContext.fsGroup). */ -}}
 {{- define "meshlm.baseVolumes" -}}
 - name: tmp
   emptyDir: {}
 - name: cache
   emptyDir: {}
+{{- if .ctx.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .ctx.Values.tls.secretName }}
+    defaultMode: 288
+{{- end }}
 {{- end -}}
 
 {{- define "meshlm.baseVolumeMounts" -}}
@@ -280,6 +323,11 @@ GGUF, or model.init.source, into the emptyDir) and links the result to /models/m
   mountPath: /tmp
 - name: cache
   mountPath: /cache
+{{- if .ctx.Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "meshlm.tlsDir" . }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- /* ---- documents every chart renders the same way -------------------------------------- */ -}}

@@ -4,7 +4,9 @@ to one A record per pod; `resolve` re-reads DNS so replicas that come and go are
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
+from typing import Optional
 
 
 def parse_addresses(value: str | list[str] | None) -> list[str]:
@@ -21,6 +23,17 @@ def parse_addresses(value: str | list[str] | None) -> list[str]:
             raise ValueError(f"address must be host:port, got {item!r}")
         out.append(item)
     return out
+
+
+def server_name(address: str) -> Optional[str]:
+    """The DNS name of a configured host:port: what a TLS peer's certificate must carry, even once
+    the name is resolved to one IP per pod. None when the host is an IP literal."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return None
 
 
 async def resolve(address: str) -> list[str]:

@@ -1,5 +1,9 @@
 """gRPC server bootstrap shared by every service: grpc.health.v1, server reflection, message
-size limits, and graceful drain on SIGTERM/SIGINT.
+size limits, TLS / mTLS (meshlm.common.tls), and graceful drain on SIGTERM/SIGINT.
+
+With a health port, a second, plaintext server serves grpc.health.v1 and nothing else (the same
+statuses, from the same servicer): Kubernetes' gRPC probes cannot speak TLS. It starts and stops
+with the main server.
 
 Drain: health flips to NOT_SERVING (Kubernetes stops routing), the service's own `on_drain`
 hook runs (stop accepting, finish or abort in-flight work), then the server stops with a
@@ -17,6 +21,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from meshlm.common.tls import PLAINTEXT, TlsConfig
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -24,12 +30,18 @@ DrainHook = Callable[[], Awaitable[None]]
 
 
 class GrpcServer:
+    """One service's grpc.aio server. Invariants: the service port is bound once (bind() or
+    start()), with TLS exactly when `tls` is enabled (mTLS when it has a CA); the health servicer
+    holds every status, for the service port and the plaintext health port alike."""
+
     def __init__(
         self,
         service_names: Sequence[str],
         host: str = "0.0.0.0",
         port: int = 0,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        tls: Optional[TlsConfig] = None,
+        health_port: Optional[int] = None,
     ) -> None:
         self.server = grpc.aio.server(
             interceptors=list(interceptors),
@@ -46,17 +58,51 @@ class GrpcServer:
         reflection.enable_server_reflection(names, self.server)
         self.address = f"{host}:{port}"
         self.port = 0
+        self.tls = tls or PLAINTEXT
+        self.health_server: Optional[grpc.aio.Server] = None
+        self.health_address = f"{host}:{health_port}" if health_port is not None else None
         self._stopped = asyncio.Event()
 
-    async def start(self) -> int:
-        """Bind and start; returns the bound port (useful with port 0). Health: SERVING."""
-        self.port = self.server.add_insecure_port(self.address)
+    def bind(self) -> int:
+        """Bind the service port (TLS when configured) once; returns the bound port."""
+        if self.port:
+            return self.port
+        if self.tls.enabled:
+            self.port = self.server.add_secure_port(self.address, self.tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise RuntimeError(f"cannot bind gRPC server to {self.address}")
-        await self.server.start()
-        await self.set_serving(True)
-        logger.info("gRPC %s listening on port %d", ",".join(self.service_names), self.port)
         return self.port
+
+    async def _start_health_server(self) -> None:
+        if self.health_address is None or self.health_server is not None:
+            return
+        self.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        if self.health_server.add_insecure_port(self.health_address) == 0:
+            raise RuntimeError(f"cannot bind the plaintext health server to {self.health_address}")
+        await self.health_server.start()
+        logger.info("grpc.health.v1 (plaintext) listening on %s", self.health_address)
+
+    async def start(self) -> int:
+        """Bind (unless bind() ran) and start, with the health server if any; returns the bound
+        port (useful with port 0). Health: SERVING."""
+        self.bind()
+        await self.server.start()
+        await self._start_health_server()
+        await self.set_serving(True)
+        logger.info(
+            "gRPC %s listening on port %d (%s)", ",".join(self.service_names), self.port,
+            ("mTLS" if self.tls.mutual else "TLS") if self.tls.enabled else "plaintext",
+        )
+        return self.port
+
+    async def stop(self, grace: Optional[float]) -> None:
+        """Stop the server and the health server (grace as grpc.aio.Server.stop)."""
+        await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -72,7 +118,7 @@ class GrpcServer:
                 await asyncio.wait_for(on_drain(), timeout=grace_s)
             except asyncio.TimeoutError:
                 logger.warning("drain did not finish within %.1fs; stopping anyway", grace_s)
-        await self.server.stop(grace=min(grace_s, 5.0))
+        await self.stop(grace=min(grace_s, 5.0))
         self._stopped.set()
 
     async def serve_until_signal(self, grace_s: float, on_drain: Optional[DrainHook] = None) -> None:
@@ -87,5 +133,7 @@ class GrpcServer:
         if signalled in done:
             logger.info("signal received: draining (grace %.1fs)", grace_s)
             await self.drain(grace_s, on_drain)
+        elif self.health_server is not None:
+            await self.health_server.stop(None)
         waiter.cancel()
         signalled.cancel()

@@ -70,11 +70,16 @@ def _engine_args(config: object) -> list[str]:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from meshlm.common.tls import TlsConfig
     from meshlm.launch.launcher import LaunchPlan, launch
     from meshlm.scheduler.config import SchedulerConfig
     from meshlm.scheduler.model_loader import resolve_model_path
 
     config = SchedulerConfig.from_cli_args(args)
+    try:
+        tls = TlsConfig.from_cli_args(args)
+    except ValueError as e:
+        raise SystemExit(f"meshlm launch: {e}") from None
     model = resolve_model_path(config.model_path)
     gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
     plan = LaunchPlan(
@@ -91,6 +96,7 @@ def _launch(args: argparse.Namespace) -> int:
         gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
+        tls=tls,
     )
     system = launch(plan)
     print(f"meshlm is serving: HTTP {system.http_url}  gRPC {system.grpc_address}", flush=True)
@@ -122,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default="warning", help="logging level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts with the in-process engine", parents=[common])
+    from meshlm.common.tls import add_tls_cli_args
     from meshlm.launch.engine_flags import add_engine_flags
 
     add_engine_flags(gen)
@@ -141,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")
     lau.add_argument("--api-key", default=None, help="require this API key at the gateway")
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
+    add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host
     add_engine_flags(lau)
     lau.set_defaults(func=_launch)
 

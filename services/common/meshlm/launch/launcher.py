@@ -5,6 +5,9 @@ schedulers and subscribe to detokenizers), then the gateway. Each process is a p
 `python -m meshlm.<component>` with flags, exactly what a container would run. The launcher
 waits until every gRPC service reports SERVING and the gateway answers /health, then
 supervises: Ctrl-C / SIGTERM stops all of them (SIGTERM, grace period, then SIGKILL).
+With a TlsConfig every process gets the same --tls-* flags (the gRPC links use TLS, mTLS with a
+CA) and the launcher's own health checks use them too; the certificate must name the host the
+services are dialed by (an IP SAN for 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Optional, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from meshlm.common.tls import FLAGS as TLS_FLAGS
+from meshlm.common.tls import PLAINTEXT, TlsConfig, sync_channel
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ class LaunchPlan:
     common_args: tuple[str, ...] = ()
     otlp_endpoint: Optional[str] = None
     log_level: str = "info"
+    tls: TlsConfig = PLAINTEXT
 
 
 @dataclass
@@ -104,6 +111,10 @@ def plan_children(plan: LaunchPlan) -> list[Child]:
     common = list(plan.common_args) + ["--log-level", plan.log_level]
     if plan.otlp_endpoint:
         common += ["--otlp-endpoint", plan.otlp_endpoint]
+    for name, flag in TLS_FLAGS.items():
+        path = getattr(plan.tls, name)
+        if path is not None:
+            common += [flag, path]
     detoks = [f"{h}:{free_port(h)}" for _ in range(plan.detokenizer_replicas)]
     scheds = [f"{h}:{free_port(h)}" for _ in range(plan.dp_size)]
     toks = [f"{h}:{plan.grpc_port}"] + [f"{h}:{free_port(h)}" for _ in range(plan.tokenizer_replicas - 1)]
@@ -134,9 +145,9 @@ def plan_children(plan: LaunchPlan) -> list[Child]:
     return children
 
 
-def _grpc_serving(address: str, timeout: float) -> bool:
+def _grpc_serving(address: str, timeout: float, tls: TlsConfig) -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with sync_channel(address, tls) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -151,8 +162,9 @@ def _http_ok(url: str, timeout: float) -> bool:
         return False
 
 
-def wait_ready(child: Child, timeout_s: float) -> None:
-    """Block until the child serves (gRPC health SERVING / HTTP /health 200) or fail."""
+def wait_ready(child: Child, timeout_s: float, tls: TlsConfig = PLAINTEXT) -> None:
+    """Block until the child serves (gRPC health SERVING, over TLS when `tls` is enabled /
+    HTTP /health 200) or fail."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert child.proc is not None
@@ -161,7 +173,7 @@ def wait_ready(child: Child, timeout_s: float) -> None:
         ok = (
             _http_ok(f"http://{child.address}/health", 1.0)
             if child.component == "gateway"
-            else _grpc_serving(child.address, 1.0)
+            else _grpc_serving(child.address, 1.0, tls)
         )
         if ok:
             return
@@ -182,7 +194,7 @@ def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: Optional[dict[
                 c.proc = subprocess.Popen(c.argv, env=proc_env)
                 system.children.append(c)
             for c in batch:
-                wait_ready(c, ready_timeout_s)
+                wait_ready(c, ready_timeout_s, plan.tls)
     except BaseException:
         system.stop(grace_s=5.0)
         raise

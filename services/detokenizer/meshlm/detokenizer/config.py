@@ -1,7 +1,7 @@
 """DetokenizerConfig: the detokenizer's flags, each with an env-var fallback, frozen after parsing.
 
 Precedence: command-line flag, then `MESHLM_DETOKENIZER_<FIELD>` (e.g. MESHLM_DETOKENIZER_PORT),
-then the default.
+then the default. `tls` is the three --tls-* flags of meshlm.common.tls.
 """
 
 from __future__ import annotations
@@ -11,6 +11,14 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
+
+from meshlm.common.tls import (
+    PLAINTEXT,
+    TlsConfig,
+    add_health_port_cli_arg,
+    add_tls_cli_args,
+    validate_health_port,
+)
 
 ENV_PREFIX = "MESHLM_DETOKENIZER_"
 LOG_FORMATS = ("text", "json")
@@ -22,8 +30,9 @@ def env_name(field_name: str) -> str:
 
 @dataclass(frozen=True)
 class DetokenizerConfig:
-    """Every field is a flag (`--tokenizer-path` style). Invariants: tokenizer_path is set,
-    ports are in [0, 65535], max_states >= 1, hold and grace times are >= 0."""
+    """Every field is a flag (`--tokenizer-path` style; tls: the --tls-* flags). Invariants:
+    tokenizer_path is set, ports are in [0, 65535] (health_port: off or [1, 65535], not port),
+    max_states >= 1, hold and grace times are >= 0, tls is a validated TlsConfig."""
 
     tokenizer_path: str = ""
     host: str = "0.0.0.0"
@@ -35,6 +44,8 @@ class DetokenizerConfig:
     grace_period_s: float = 10.0
     max_states: int = 65536
     undelivered_hold_s: float = 10.0
+    health_port: Optional[int] = None
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -62,6 +73,7 @@ class DetokenizerConfig:
             self.undelivered_hold_s >= 0,
             f"undelivered_hold_s must be >= 0, got {self.undelivered_hold_s}",
         )
+        validate_health_port(self.health_port, self.port)
 
     # ---- CLI ------------------------------------------------------------------------------
     @staticmethod
@@ -91,6 +103,8 @@ class DetokenizerConfig:
         }
         group = parser.add_argument_group("detokenizer")
         for f in dataclasses.fields(DetokenizerConfig):
+            if f.name in ("health_port", "tls"):  # meshlm.common.tls defines them
+                continue
             var = env_name(f.name)
             default = environ.get(var, f.default)
             kwargs: dict[str, Any] = {
@@ -106,8 +120,11 @@ class DetokenizerConfig:
                 **kwargs,
                 help=f"{helps[f.name]} (env {var}; default: {shown})",
             )
+        add_health_port_cli_arg(parser, ENV_PREFIX, environ)
+        add_tls_cli_args(parser, ENV_PREFIX, environ)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "DetokenizerConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        names = {f.name for f in dataclasses.fields(cls)} - {"tls"}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        return cls(**values, tls=TlsConfig.from_cli_args(args))

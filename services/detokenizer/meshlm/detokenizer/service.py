@@ -129,7 +129,10 @@ async def start_detokenizer(
         metrics=metrics,
     )
     servicer = DetokenizerServicer(manager)
-    server = GrpcServer([SERVICE_NAME], host=config.host, port=config.port)
+    server = GrpcServer(
+        [SERVICE_NAME], host=config.host, port=config.port, tls=config.tls,
+        health_port=config.health_port,
+    )
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, server.server)
     port = await server.start()
     sweeper = asyncio.create_task(

@@ -2,6 +2,8 @@
 
 Every field is a CLI flag (`--tokenizer-addrs` style) with an environment fallback
 `MESHLM_GATEWAY_<FIELD>` (e.g. MESHLM_GATEWAY_TOKENIZER_ADDRS). Precedence: flag > env > default.
+`tls` is the three --tls-* flags of meshlm.common.tls: they secure the gRPC client to the
+tokenizers only (the HTTP side stays as it is).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from meshlm.common.addresses import parse_addresses
+from meshlm.common.tls import PLAINTEXT, TlsConfig, add_tls_cli_args
 
 ENV_PREFIX = "MESHLM_GATEWAY_"
 
@@ -41,6 +44,7 @@ class GatewayConfig:
     log_format: str = "text"
     otlp_endpoint: Optional[str] = None
     grace_period_s: float = 30.0
+    tls: TlsConfig = PLAINTEXT  # of the gRPC client to the tokenizers
 
     def __post_init__(self) -> None:
         addrs = self.tokenizer_addrs
@@ -66,6 +70,8 @@ class GatewayConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """One flag per field. Flag defaults are None so env fallbacks can apply in from_cli_args."""
         for f in fields(GatewayConfig):
+            if f.name == "tls":
+                continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default if not isinstance(f.default, tuple) else ",".join(f.default)
             env = ENV_PREFIX + f.name.upper()
@@ -76,12 +82,15 @@ class GatewayConfig:
                 default=None,
                 help=f"{_HELP[f.name]} (env {env}; default: {default})",
             )
+        add_tls_cli_args(parser, ENV_PREFIX, environ={})  # env fallbacks apply in from_cli_args
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace, env: Optional[dict[str, str]] = None) -> "GatewayConfig":
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {"tls": TlsConfig.from_cli_args(ns, ENV_PREFIX, env)}
         for f in fields(GatewayConfig):
+            if f.name == "tls":
+                continue
             value = getattr(ns, f.name, None)
             if value is None and (ENV_PREFIX + f.name.upper()) in env:
                 value = _parser_type(f.name)(env[ENV_PREFIX + f.name.upper()])

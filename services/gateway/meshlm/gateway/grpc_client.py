@@ -3,6 +3,8 @@
 * Replicas come from `--tokenizer-addrs`; each address is re-resolved (a headless-service name gives
   one endpoint per pod). Requests go round robin over healthy endpoints (grpc.health.v1 checks in
   the background, and at once on a failure); a session id pins its requests to one endpoint.
+* With --tls-* flags the channels use TLS (mTLS with a CA), each endpoint's certificate checked
+  against the name it was resolved from.
 * A call that fails with UNAVAILABLE before any output is retried on another endpoint.
 * gRPC status -> ServiceError (meshlm.common.errors), which the app renders as the HTTP error.
 * Cancellation: `cancel_on_disconnect` runs a call while watching the HTTP client; when the client
@@ -22,9 +24,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import Request
 
-from meshlm.common.addresses import resolve
+from meshlm.common.addresses import resolve, server_name
 from meshlm.common.errors import ServiceError
 from meshlm.common.telemetry import current_traceparent
+from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -70,9 +73,9 @@ def trace_context() -> common_pb2.TraceContext:
 
 
 class _Endpoint:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsConfig, name: Optional[str]) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS, name)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = True  # optimistic until a check says otherwise
@@ -115,9 +118,11 @@ class TokenizerPool:
 
     def __init__(
         self, addresses: Iterable[str], *, resolve_interval_s: float = 10.0, health_interval_s: float = 5.0,
-        health_timeout_s: float = 2.0,
+        health_timeout_s: float = 2.0, tls: Optional[TlsConfig] = None,
     ) -> None:
         self.addresses = list(addresses)
+        self.tls = tls or PLAINTEXT
+        self._names: dict[str, str] = {}  # endpoint -> the DNS name it was resolved from
         self.resolve_interval_s = resolve_interval_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
@@ -133,7 +138,10 @@ class TokenizerPool:
         if self._loop is not loop:  # grpc.aio channels belong to the loop that made them
             self._loop, self._endpoints = loop, {}
         if set(self._endpoints) != set(self._resolved):
-            kept = {a: self._endpoints.get(a) or _Endpoint(a) for a in self._resolved}
+            kept = {
+                a: self._endpoints.get(a) or _Endpoint(a, self.tls, self._names.get(a))
+                for a in self._resolved
+            }
             for address, ep in self._endpoints.items():
                 if address not in kept:
                     loop.create_task(ep.channel.close(grace=5.0))
@@ -147,9 +155,12 @@ class TokenizerPool:
         """Re-resolve every configured address (pods of a headless service come and go)."""
         resolved: list[str] = []
         for address in self.addresses:
+            name = server_name(address)
             for endpoint in await resolve(address):
                 if endpoint not in resolved:
                     resolved.append(endpoint)
+                    if name is not None:
+                        self._names[endpoint] = name
         if resolved != self._resolved:
             logger.info("tokenizer endpoints: %s", ", ".join(resolved))
         self._resolved = resolved

@@ -18,7 +18,7 @@ CONTROL_TIMEOUT_S = 30.0  # deadline of control calls (model info, flush, sessio
 class GatewayState:
     def __init__(self, config: GatewayConfig, pool: Optional[TokenizerPool] = None) -> None:
         self.config = config
-        self.pool = pool or TokenizerPool(config.tokenizer_addrs)
+        self.pool = pool or TokenizerPool(config.tokenizer_addrs, tls=config.tls)
         self.started = int(time.time())
         self._model_info: Optional[common_pb2.ModelInfo] = None
 

@@ -2,7 +2,8 @@
 
 Every field is a CLI flag (`--scheduler-addrs`, underscores become dashes) with an environment
 fallback `MESHLM_TOKENIZER_<FIELD>` (e.g. MESHLM_TOKENIZER_SCHEDULER_ADDRS="s0:50052,s1:50052").
-Precedence: flag > environment > default.
+Precedence: flag > environment > default. `tls` is the three --tls-* flags (meshlm.common.tls),
+used by the server and by the scheduler / detokenizer clients alike.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from meshlm.common.addresses import parse_addresses
+from meshlm.common.tls import (
+    PLAINTEXT,
+    TlsConfig,
+    add_health_port_cli_arg,
+    add_tls_cli_args,
+    validate_health_port,
+)
 
 ENV_PREFIX = "MESHLM_TOKENIZER_"
 ROUTING_POLICIES = ("round_robin", "shortest_queue")
@@ -58,6 +66,10 @@ class TokenizerConfig:
     grace_period_s: float = 30.0
     # Model name reported by GetModelInfo (default: the scheduler's).
     served_model_name: Optional[str] = None
+    # TLS / mTLS of the gRPC server and of the scheduler and detokenizer clients.
+    tls: TlsConfig = PLAINTEXT
+    # Plaintext grpc.health.v1-only port for Kubernetes probes (None = off).
+    health_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -105,6 +117,7 @@ class TokenizerConfig:
                 0 <= self.metrics_port <= 65535,
                 f"metrics_port must be in [0, 65535], got {self.metrics_port}",
             )
+        validate_health_port(self.health_port, self.port)
 
     def replace(self, **changes: Any) -> TokenizerConfig:
         return dataclasses.replace(self, **changes)
@@ -137,6 +150,8 @@ class TokenizerConfig:
         }
         env = os.environ
         for f in fields(TokenizerConfig):
+            if f.name in _SHARED_FLAGS:
+                continue
             flag = "--" + f.name.replace("_", "-")
             env_name = ENV_PREFIX + f.name.upper()
             default = f.default
@@ -151,18 +166,23 @@ class TokenizerConfig:
                 parser.add_argument(
                     flag, type=_FIELD_TYPES[f.name], default=default, help=help_text
                 )
+        add_health_port_cli_arg(parser, ENV_PREFIX)
+        add_tls_cli_args(parser, ENV_PREFIX)
 
     @staticmethod
     def from_cli_args(args: argparse.Namespace) -> TokenizerConfig:
-        return TokenizerConfig(**{f.name: getattr(args, f.name) for f in fields(TokenizerConfig)})
+        values = {f.name: getattr(args, f.name) for f in fields(TokenizerConfig) if f.name != "tls"}
+        return TokenizerConfig(**values, tls=TlsConfig.from_cli_args(args))
 
     @staticmethod
     def from_env(
         environ: Optional[Mapping[str, str]] = None, **overrides: Any
     ) -> TokenizerConfig:
         environ = os.environ if environ is None else environ
-        values = {}
+        values: dict[str, Any] = {"tls": TlsConfig.from_env(ENV_PREFIX, environ)}
         for f in fields(TokenizerConfig):
+            if f.name == "tls":
+                continue
             key = ENV_PREFIX + f.name.upper()
             if key in environ:
                 values[f.name] = _parse_value(f.name, environ[key])
@@ -193,6 +213,9 @@ def _opt(conv):
     return parse
 
 
+# Flags meshlm.common.tls defines, identical in every component.
+_SHARED_FLAGS = ("tls", "health_port")
+
 _FIELD_TYPES = {
     "host": str,
     "port": int,
@@ -208,6 +231,7 @@ _FIELD_TYPES = {
     "otlp_endpoint": _opt(str),
     "grace_period_s": float,
     "served_model_name": _opt(str),
+    "health_port": _opt(int),
 }
 
 

@@ -16,9 +16,8 @@ import grpc
 from meshlm.tokenizer.discovery import (
     RESOLVE_INTERVAL_S,
     Backoff,
-    insecure_channel,
+    Dialer,
     refresh_forever,
-    resolve_all,
 )
 from meshlm.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 
@@ -32,9 +31,15 @@ class Subscription:
     """One detokenizer endpoint's Subscribe stream, kept open."""
 
     def __init__(
-        self, address: str, origin: str, on_strs: StrHandler, on_embeddings: EmbeddingHandler
+        self,
+        address: str,
+        origin: str,
+        on_strs: StrHandler,
+        on_embeddings: EmbeddingHandler,
+        dialer: Optional[Dialer] = None,
     ) -> None:
         self.address = address
+        self.dialer = dialer or Dialer()
         self.origin = origin
         self.on_strs = on_strs
         self.on_embeddings = on_embeddings
@@ -75,7 +80,7 @@ class Subscription:
                 await backoff.sleep()
 
     async def _run_once(self, backoff: Backoff) -> None:
-        channel = insecure_channel(self.address)
+        channel = self.dialer.channel(self.address)
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
             call = detokenizer_pb2_grpc.DetokenizerServiceStub(channel).Subscribe(
@@ -105,7 +110,8 @@ class Subscription:
 
 
 class DetokenizerPool:
-    """Subscriptions to every endpoint of the detokenizer address list (re-resolved)."""
+    """Subscriptions to every endpoint of the detokenizer address list (re-resolved), each
+    dialed through `dialer` (plaintext by default)."""
 
     def __init__(
         self,
@@ -114,8 +120,10 @@ class DetokenizerPool:
         on_strs: StrHandler,
         on_embeddings: EmbeddingHandler,
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
+        dialer: Optional[Dialer] = None,
     ) -> None:
         self.addresses = list(addresses)
+        self.dialer = dialer or Dialer()
         self.origin = origin
         self.on_strs = on_strs
         self.on_embeddings = on_embeddings
@@ -156,10 +164,10 @@ class DetokenizerPool:
         return bool(self.connected())
 
     async def _refresh(self) -> None:
-        endpoints = await resolve_all(self.addresses)
+        endpoints = await self.dialer.resolve(self.addresses)
         for addr in endpoints:
             if addr not in self.subscriptions:
-                sub = Subscription(addr, self.origin, self.on_strs, self.on_embeddings)
+                sub = Subscription(addr, self.origin, self.on_strs, self.on_embeddings, self.dialer)
                 self.subscriptions[addr] = sub
                 sub.start()
         for addr in [a for a in self.subscriptions if a not in endpoints]:

@@ -1,17 +1,19 @@
-"""What the scheduler and detokenizer clients share: reconnect backoff, channel options, and an
+"""What the scheduler and detokenizer clients share: reconnect backoff, channel options, an
 address list that is re-resolved while running (a headless Kubernetes service name resolves to
-one address per pod)."""
+one address per pod), and the Dialer that opens channels to those endpoints (TLS when
+configured)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
 import grpc
-from meshlm.common.addresses import resolve
+from meshlm.common.addresses import resolve, server_name
 from meshlm.common.grpc_server import MAX_MESSAGE_BYTES
+from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +28,22 @@ CHANNEL_OPTIONS = [
 RESOLVE_INTERVAL_S = 10.0
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+class Dialer:
+    """Opens the channels of one peer list: plaintext, or TLS (mTLS with a CA) per `tls`.
+    Invariant: an endpoint resolve() returned is dialed with the certificate check against the
+    DNS name it was resolved from (a pod IP behind a headless service carries no certificate of
+    its own name)."""
+
+    def __init__(self, tls: Optional[TlsConfig] = None) -> None:
+        self.tls = tls or PLAINTEXT
+        self._names: dict[str, str] = {}
+
+    async def resolve(self, addresses: Sequence[str]) -> list[str]:
+        """resolve_all, remembering each endpoint's DNS name."""
+        return await resolve_all(addresses, self._names)
+
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        return aio_channel(endpoint, self.tls, CHANNEL_OPTIONS, self._names.get(endpoint))
 
 
 class Backoff:
@@ -48,9 +64,10 @@ class Backoff:
         await asyncio.sleep(delay)
 
 
-async def resolve_all(addresses: Sequence[str]) -> list[str]:
+async def resolve_all(addresses: Sequence[str], names: Optional[dict[str, str]] = None) -> list[str]:
     """Every endpoint of an address list, in list order (each name's addresses sorted), no
-    duplicates. The order is the scheduler index that session ids name.
+    duplicates. The order is the scheduler index that session ids name. `names`, when given,
+    gets endpoint -> the DNS name it came from (IP literals have none).
 
     A dual-stack name (IPv4 and IPv6 addresses, e.g. localhost or a dual-stack pod) would
     count each peer twice: when a name has IPv4 addresses its IPv6 ones are dropped."""
@@ -58,9 +75,12 @@ async def resolve_all(addresses: Sequence[str]) -> list[str]:
     for addr in addresses:
         endpoints = await resolve(addr)
         v4 = [e for e in endpoints if not e.startswith("[")]
+        name = server_name(addr)
         for endpoint in v4 or endpoints:
             if endpoint not in out:
                 out.append(endpoint)
+                if names is not None and name is not None:
+                    names[endpoint] = name
     return out
 
 

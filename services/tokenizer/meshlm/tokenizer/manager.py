@@ -38,6 +38,7 @@ from meshlm.common.telemetry import current_traceparent, span, start_span
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.control import ControlPlane
 from meshlm.tokenizer.detokenizer_client import DetokenizerPool
+from meshlm.tokenizer.discovery import Dialer
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.metrics import TokenizerMetrics
 from meshlm.tokenizer.request import (
@@ -78,9 +79,11 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self.router = Router(config.routing_policy)
         self.metrics = TokenizerMetrics(metrics)
-        self.schedulers = SchedulerPool(config.scheduler_addrs, self.origin, self)
+        dialer = Dialer(config.tls)
+        self.schedulers = SchedulerPool(config.scheduler_addrs, self.origin, self, dialer=dialer)
         self.detokenizers = DetokenizerPool(config.detokenizer_addrs, self.origin,
-                                            self.on_batch_str_out, self.on_batch_embedding_out)
+                                            self.on_batch_str_out, self.on_batch_embedding_out,
+                                            dialer=dialer)
         self.control = ControlPlane(self)
         self.states: dict[str, ReqState] = {}  # wire rid -> state
         self.calls: set[Call] = set()

@@ -22,9 +22,8 @@ from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.discovery import (
     RESOLVE_INTERVAL_S,
     Backoff,
-    insecure_channel,
+    Dialer,
     refresh_forever,
-    resolve_all,
 )
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -56,12 +55,14 @@ class SchedulerConnection:
         origin: str,
         events: SchedulerEvents,
         stale_after_s: float = STALE_AFTER_S,
+        dialer: Optional[Dialer] = None,
     ) -> None:
         self.index = index
         self.address = address
         self.origin = origin
         self.events = events
         self.stale_after_s = stale_after_s
+        self.dialer = dialer or Dialer()
         self.load: Optional[common_pb2.SchedulerLoad] = None
         self.connected = False
         self._up = asyncio.Event()
@@ -129,7 +130,7 @@ class SchedulerConnection:
 
     async def get_model_info(self, timeout: float) -> common_pb2.ModelInfo:
         """SchedulerService.GetModelInfo (unary; works while Connect is down too)."""
-        channel = self._channel or insecure_channel(self.address)
+        channel = self._channel or self.dialer.channel(self.address)
         try:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
@@ -172,7 +173,7 @@ class SchedulerConnection:
             while True:
                 yield await queue.get()
 
-        channel = insecure_channel(self.address)
+        channel = self.dialer.channel(self.address)
         self._channel = channel
         came_up = False
         try:
@@ -233,7 +234,8 @@ class SchedulerConnection:
 
 
 class SchedulerPool:
-    """The schedulers of an address list; re-resolves it every RESOLVE_INTERVAL_S."""
+    """The schedulers of an address list; re-resolves it every RESOLVE_INTERVAL_S. Every
+    connection dials through `dialer` (plaintext by default)."""
 
     def __init__(
         self,
@@ -242,8 +244,10 @@ class SchedulerPool:
         events: SchedulerEvents,
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
         stale_after_s: float = STALE_AFTER_S,
+        dialer: Optional[Dialer] = None,
     ) -> None:
         self.addresses = list(addresses)
+        self.dialer = dialer or Dialer()
         self.origin = origin
         self.events = events
         self.resolve_interval_s = resolve_interval_s
@@ -292,7 +296,7 @@ class SchedulerPool:
         return True
 
     async def _refresh(self) -> None:
-        endpoints = await resolve_all(self.addresses)
+        endpoints = await self.dialer.resolve(self.addresses)
         current = {c.address: c for c in self.connections}
         if list(current) == endpoints:
             return
@@ -300,7 +304,9 @@ class SchedulerPool:
         for i, addr in enumerate(endpoints):
             conn = current.pop(addr, None)
             if conn is None:
-                conn = SchedulerConnection(i, addr, self.origin, self.events, self.stale_after_s)
+                conn = SchedulerConnection(
+                    i, addr, self.origin, self.events, self.stale_after_s, self.dialer
+                )
                 conn.start()
             conn.index = i
             kept.append(conn)

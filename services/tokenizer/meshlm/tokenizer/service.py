@@ -117,7 +117,9 @@ async def start_server(
     await manager.start()
     try:
         await manager.load_tokenizer()
-        server = GrpcServer([SERVICE_NAME], config.host, config.port)
+        server = GrpcServer(
+            [SERVICE_NAME], config.host, config.port, tls=config.tls, health_port=config.health_port
+        )
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(
             TokenizerServicer(manager), server.server
         )

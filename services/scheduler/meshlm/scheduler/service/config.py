@@ -2,7 +2,8 @@
 
 Every flag of both can also come from the environment: MESHLM_SCHEDULER_<FIELD> (e.g.
 MESHLM_SCHEDULER_DETOKENIZER_ADDRS=detok:30020, MESHLM_SCHEDULER_MAX_TOTAL_TOKENS=8192).
-Precedence: command line > environment > default.
+Precedence: command line > environment > default. `tls` is the three --tls-* flags of
+meshlm.common.tls (the gRPC server and the Push client to the detokenizers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
 from meshlm.common.addresses import parse_addresses
+from meshlm.common.tls import (
+    PLAINTEXT,
+    TlsConfig,
+    add_health_port_cli_arg,
+    add_tls_cli_args,
+    validate_health_port,
+)
 from meshlm.scheduler.config import SchedulerConfig
 
 ENV_PREFIX = "MESHLM_SCHEDULER_"
@@ -36,6 +44,8 @@ class SchedulerServiceConfig:
     grace_period_s: float = 30.0  # SIGTERM: how long running requests may finish
     load_report_interval_s: float = 0.5  # SchedulerLoad on Connect streams while busy (idle: 4x)
     detokenizer_timeout_s: float = 10.0  # fail requests whose outputs found no detokenizer for this long
+    health_port: Optional[int] = None  # plaintext grpc.health.v1-only port for probes; None = off
+    tls: TlsConfig = PLAINTEXT  # of the gRPC server and the Push client
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detokenizer_addrs", tuple(parse_addresses(list(self.detokenizer_addrs))))
@@ -49,6 +59,7 @@ class SchedulerServiceConfig:
             raise ValueError(f"load_report_interval_s must be > 0, got {self.load_report_interval_s}")
         if self.detokenizer_timeout_s <= 0:
             raise ValueError(f"detokenizer_timeout_s must be > 0, got {self.detokenizer_timeout_s}")
+        validate_health_port(self.health_port, self.port)
 
     def replace(self, **changes: Any) -> "SchedulerServiceConfig":
         return dataclasses.replace(self, **changes)
@@ -84,10 +95,13 @@ class SchedulerServiceConfig:
             help="fail requests whose outputs found no detokenizer for this long "
             f"(default: {d.detokenizer_timeout_s})",
         )
+        add_health_port_cli_arg(parser, ENV_PREFIX)
+        add_tls_cli_args(parser, ENV_PREFIX)
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> "SchedulerServiceConfig":
-        kw = {f.name: getattr(ns, f.name) for f in fields(SchedulerServiceConfig)}
+        kw = {f.name: getattr(ns, f.name) for f in fields(SchedulerServiceConfig) if f.name != "tls"}
+        kw["tls"] = TlsConfig.from_cli_args(ns)
         kw["detokenizer_addrs"] = tuple(parse_addresses(kw["detokenizer_addrs"] or ""))
         return SchedulerServiceConfig(**kw)
 

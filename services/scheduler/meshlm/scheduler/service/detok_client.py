@@ -24,6 +24,7 @@ from typing import Awaitable, Callable, Iterable, Optional, Sequence
 
 import grpc
 from meshlm.common import addresses
+from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
 from meshlm.scheduler.service.tracker import RequestTracker
 from meshlm.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 
@@ -54,7 +55,10 @@ class DetokenizerPushClient:
         connect_timeout_s: float = 2.0,
         write_timeout_s: float = 10.0,
         resolver: Resolver = addresses.resolve,
+        tls: Optional[TlsConfig] = None,
     ) -> None:
+        """tls: the Push channels use TLS (mTLS with a CA) when enabled; an endpoint resolved
+        from a DNS name is verified against that name."""
         self.scheduler_id = scheduler_id
         self.addrs = list(addrs)
         self.tracker = tracker
@@ -63,6 +67,8 @@ class DetokenizerPushClient:
         self.connect_timeout_s = connect_timeout_s
         self.write_timeout_s = write_timeout_s
         self._resolver = resolver
+        self.tls = tls or PLAINTEXT
+        self._names: dict[str, str] = {}  # endpoint -> the DNS name it was resolved from
         self.state = State.DOWN
         self.address: Optional[str] = None  # the detokenizer of the current stream
         self.down_since: Optional[float] = time.monotonic()
@@ -125,9 +131,12 @@ class DetokenizerPushClient:
     async def _candidates(self) -> list[str]:
         out: list[str] = []
         for a in self.addrs:
+            name = addresses.server_name(a)
             for r in await self._resolver(a):
                 if r not in out:
                     out.append(r)
+                    if name is not None:
+                        self._names[r] = name
         return out
 
     async def _run(self) -> None:
@@ -152,7 +161,7 @@ class DetokenizerPushClient:
 
     async def _serve(self, addr: str) -> bool:
         """Run one Push stream to addr until it breaks; True if it was ever up."""
-        channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        channel = aio_channel(addr, self.tls, CHANNEL_OPTIONS, self._names.get(addr))
         call = None
         was_up = False
         try:

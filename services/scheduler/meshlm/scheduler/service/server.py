@@ -80,7 +80,9 @@ class SchedulerServer:
         self.runtime = await asyncio.to_thread(
             SchedulerRuntime, self.engine_config, self._on_output, self._on_control
         )
-        self.grpc = GrpcServer([SERVICE_NAME], svc.host, svc.port)
+        self.grpc = GrpcServer(
+            [SERVICE_NAME], svc.host, svc.port, tls=svc.tls, health_port=svc.health_port
+        )
         self.servicer = SchedulerServicer(
             self.runtime.port.put,
             scheduler_id=svc.scheduler_id or "",
@@ -91,22 +93,17 @@ class SchedulerServer:
         )
         self.servicer.on_fatal = self._fatal
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, self.grpc.server)
-        self.port = self.grpc.server.add_insecure_port(self.grpc.address)
-        if self.port == 0:
-            raise RuntimeError(f"cannot bind gRPC server to {self.grpc.address}")
-        self.grpc.address = f"{svc.host}:{self.port}"  # start() must not bind again
+        self.port = self.grpc.bind()
         self.servicer.scheduler_id = svc.resolved_scheduler_id(self.port)
         self.detok = DetokenizerPushClient(
             self.servicer.scheduler_id, svc.detokenizer_addrs, self.tracker, self.servicer.fail_unavailable,
-            fail_after_s=svc.detokenizer_timeout_s,
+            fail_after_s=svc.detokenizer_timeout_s, tls=svc.tls,
         )
         self.servicer.detok = self.detok
         self.servicer.start()
         self.detok.start()
         self.runtime.start(on_crash=self.servicer.on_crash)
-        await self.grpc.server.start()
-        await self.grpc.set_serving(True)
-        self.grpc.port = self.port
+        await self.grpc.start()
         self.metrics.serve(svc.metrics_port)
         logger.info(
             "scheduler %s serving on port %d (model %s, KV %d tokens, detokenizers %s)",
@@ -132,7 +129,7 @@ class SchedulerServer:
             assert self.grpc is not None
             await self.grpc.set_serving(False)
             await asyncio.sleep(0.2)  # let the errors reach the tokenizers
-            await self.grpc.server.stop(1.0)
+            await self.grpc.stop(1.0)
 
         asyncio.get_running_loop().create_task(stop())
 
@@ -163,7 +160,7 @@ class SchedulerServer:
         if self.detok is not None:
             await self.detok.close()
         if self.grpc is not None:
-            await self.grpc.server.stop(0)
+            await self.grpc.stop(0)
         if self.runtime is not None:
             await asyncio.to_thread(self.runtime.stop, 10.0)
 

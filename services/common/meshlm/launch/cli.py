@@ -80,6 +80,9 @@ def _launch(args: argparse.Namespace) -> int:
         tls = TlsConfig.from_cli_args(args)
     except ValueError as e:
         raise SystemExit(f"meshlm launch: {e}") from None
+    if config.disaggregation_mode != "null":
+        raise SystemExit("meshlm launch: use --decode-dp-size N for prefill/decode disaggregation "
+                         "(it sets each scheduler's --disaggregation-mode)")
     model = resolve_model_path(config.model_path)
     gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
     plan = LaunchPlan(
@@ -89,6 +92,7 @@ def _launch(args: argparse.Namespace) -> int:
         http_port=args.port,
         grpc_port=args.grpc_port,
         dp_size=args.dp_size,
+        decode_dp_size=args.decode_dp_size,
         tokenizer_replicas=args.tokenizer_replicas,
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
@@ -143,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--port", type=int, default=30000, help="HTTP port of the gateway (default: 30000)")
     lau.add_argument("--grpc-port", type=int, default=30001, help="public gRPC port of tokenizer 0 (default: 30001)")
     lau.add_argument("--dp-size", type=int, default=1, help="schedulers (data-parallel replicas) (default: 1)")
+    lau.add_argument(
+        "--decode-dp-size", type=int, default=0,
+        help="prefill/decode disaggregation: start this many decode schedulers; the --dp-size "
+        "schedulers become prefill schedulers that hand requests to them (default: 0, off)",
+    )
     lau.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer processes (default: 1)")
     lau.add_argument("--detokenizer-replicas", type=int, default=1, help="detokenizer processes (default: 1)")
     lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")

@@ -48,6 +48,9 @@ class LaunchPlan:
     http_port: int = 30000
     grpc_port: int = 30001
     dp_size: int = 1
+    # Prefill/decode disaggregation: > 0 makes the dp_size schedulers prefill schedulers that
+    # hand requests to this many decode schedulers.
+    decode_dp_size: int = 0
     tokenizer_replicas: int = 1
     detokenizer_replicas: int = 1
     scheduler_args: tuple[str, ...] = ()
@@ -117,20 +120,25 @@ def plan_children(plan: LaunchPlan) -> list[Child]:
             common += [flag, path]
     detoks = [f"{h}:{free_port(h)}" for _ in range(plan.detokenizer_replicas)]
     scheds = [f"{h}:{free_port(h)}" for _ in range(plan.dp_size)]
+    decodes = [f"{h}:{free_port(h)}" for _ in range(plan.decode_dp_size)]
     toks = [f"{h}:{plan.grpc_port}"] + [f"{h}:{free_port(h)}" for _ in range(plan.tokenizer_replicas - 1)]
     children: list[Child] = []
     for i, addr in enumerate(detoks):
         port = addr.rsplit(":", 1)[1]
         args = ["--host", h, "--port", port, "--tokenizer-path", plan.tokenizer_path, *common]
         children.append(Child(f"detokenizer-{i}", "detokenizer", addr, _cmd("detokenizer", args)))
-    for i, addr in enumerate(scheds):
+    roles = [("scheduler", a, ["--disaggregation-mode", "prefill", "--decode-addrs", ",".join(decodes)] if decodes else [])
+             for a in scheds]
+    roles += [("decode-scheduler", a, ["--disaggregation-mode", "decode"]) for a in decodes]
+    for name, addr, role_args in roles:
+        i = (scheds if name == "scheduler" else decodes).index(addr)
         port = addr.rsplit(":", 1)[1]
         args = [
-            "--host", h, "--port", port, "--scheduler-id", f"scheduler-{i}",
+            "--host", h, "--port", port, "--scheduler-id", f"{name}-{i}",
             "--model-path", plan.model_path, "--tokenizer-path", plan.tokenizer_path,
-            "--detokenizer-addrs", ",".join(detoks), *plan.scheduler_args, *common,
+            "--detokenizer-addrs", ",".join(detoks), *role_args, *plan.scheduler_args, *common,
         ]
-        children.append(Child(f"scheduler-{i}", "scheduler", addr, _cmd("scheduler", args)))
+        children.append(Child(f"{name}-{i}", "scheduler", addr, _cmd("scheduler", args)))
     for i, addr in enumerate(toks):
         port = addr.rsplit(":", 1)[1]
         args = [

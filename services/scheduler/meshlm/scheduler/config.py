@@ -60,6 +60,11 @@ class SchedulerConfig:
             self.disaggregation_mode in DISAGGREGATION_MODES,
             f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}",
         )
+        need(
+            self.disaggregation_mode == "null" or self.tp_size == 1,
+            f"disaggregation_mode {self.disaggregation_mode!r} needs tp_size 1 (KV handover of TP shards "
+            f"is not implemented), got tp_size {self.tp_size}",
+        )
         if self.max_total_tokens is not None:
             need(self.max_total_tokens >= 16, f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.max_running_requests is not None:

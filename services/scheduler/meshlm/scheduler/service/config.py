@@ -37,6 +37,7 @@ class SchedulerServiceConfig:
     port: int = DEFAULT_PORT
     scheduler_id: Optional[str] = None  # default <hostname>-<port>
     detokenizer_addrs: tuple[str, ...] = ()  # host:port list; headless-service names re-resolved
+    decode_addrs: tuple[str, ...] = ()  # prefill role: decode schedulers (host:port list, re-resolved)
     metrics_port: Optional[int] = None  # Prometheus /metrics over HTTP; None = off
     log_level: str = "info"
     log_format: str = "text"  # text | json
@@ -49,6 +50,7 @@ class SchedulerServiceConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "detokenizer_addrs", tuple(parse_addresses(list(self.detokenizer_addrs))))
+        object.__setattr__(self, "decode_addrs", tuple(parse_addresses(list(self.decode_addrs))))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.log_format not in ("text", "json"):
@@ -78,6 +80,11 @@ class SchedulerServiceConfig:
             "--detokenizer-addrs", default="",
             help="comma-separated host:port list of detokenizers (names are re-resolved: headless services)",
         )
+        parser.add_argument(
+            "--decode-addrs", default="",
+            help="with --disaggregation-mode prefill: comma-separated host:port list of decode "
+            "schedulers to hand prefilled requests to (names are re-resolved: headless services)",
+        )
         parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
         parser.add_argument("--log-level", default=d.log_level, help=f"logging level (default: {d.log_level})")
         parser.add_argument("--log-format", default=d.log_format, choices=("text", "json"), help="log line format")
@@ -103,6 +110,7 @@ class SchedulerServiceConfig:
         kw = {f.name: getattr(ns, f.name) for f in fields(SchedulerServiceConfig) if f.name != "tls"}
         kw["tls"] = TlsConfig.from_cli_args(ns)
         kw["detokenizer_addrs"] = tuple(parse_addresses(kw["detokenizer_addrs"] or ""))
+        kw["decode_addrs"] = tuple(parse_addresses(kw["decode_addrs"] or ""))
         return SchedulerServiceConfig(**kw)
 
 

@@ -8,6 +8,9 @@ thread and the Push client, then bind gRPC and report SERVING. SIGTERM: NOT_SERV
 requests rejected (503), running requests finish within --grace-period-s, the rest fail with
 503, outputs are flushed to the detokenizer, streams end, exit 0. A crash of the loop fails
 every request (500) and exits 1.
+
+With --disaggregation-mode prefill the service also keeps Connect streams to the decode
+schedulers of --decode-addrs (DecodeHandoffClient) and hands each prefilled request to one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.runtime import SchedulerRuntime
 from meshlm.scheduler.service.config import SchedulerServiceConfig, parse_args
 from meshlm.scheduler.service.detok_client import DetokenizerPushClient
+from meshlm.scheduler.service.handoff import DecodeHandoffClient
 from meshlm.scheduler.service.observability import SchedulerMetrics
 from meshlm.scheduler.service.servicer import SchedulerServicer
 from meshlm.scheduler.service.tracker import RequestTracker
@@ -64,6 +68,8 @@ class SchedulerServer:
         self.runtime: Optional[SchedulerRuntime] = None
         self.servicer: Optional[SchedulerServicer] = None
         self.detok: Optional[DetokenizerPushClient] = None
+        self.handoff: Optional[DecodeHandoffClient] = None
+        self._ready_task: Optional[asyncio.Task] = None
         self.grpc: Optional[GrpcServer] = None
         self._closed = False
 
@@ -100,17 +106,37 @@ class SchedulerServer:
             fail_after_s=svc.detokenizer_timeout_s, tls=svc.tls,
         )
         self.servicer.detok = self.detok
+        if self.engine_config.disaggregation_mode == "prefill":
+            self.handoff = DecodeHandoffClient(
+                self.servicer.scheduler_id, svc.decode_addrs, on_error=self.servicer.on_handover_error,
+                on_lost=self.servicer.on_handover_lost, on_done=self.servicer.on_handover_done, tls=svc.tls,
+            )
+            self.servicer.handoff = self.handoff
+            self.handoff.start()
         self.servicer.start()
         self.detok.start()
         self.runtime.start(on_crash=self.servicer.on_crash)
         await self.grpc.start()
+        if self.handoff is not None and not self.handoff.any_up():
+            # A prefill scheduler is of no use before a decode scheduler takes its requests.
+            await self.grpc.set_serving(False)
+            self._ready_task = asyncio.create_task(self._serve_when_decode_up(), name="decode-ready")
         self.metrics.serve(svc.metrics_port)
         logger.info(
-            "scheduler %s serving on port %d (model %s, KV %d tokens, detokenizers %s)",
+            "scheduler %s serving on port %d (model %s, KV %d tokens, role %s, detokenizers %s%s)",
             self.scheduler_id, self.port, self.runtime.config.model_path,
-            self.runtime.scheduler.max_total_num_tokens, ",".join(svc.detokenizer_addrs) or "-",
+            self.runtime.scheduler.max_total_num_tokens, self.engine_config.disaggregation_mode,
+            ",".join(svc.detokenizer_addrs) or "-",
+            f", decode schedulers {','.join(svc.decode_addrs)}" if self.handoff else "",
         )
         return self.port
+
+    async def _serve_when_decode_up(self) -> None:
+        assert self.handoff is not None and self.grpc is not None
+        while not await self.handoff.wait_up(30.0):
+            logger.warning("no decode scheduler of %s is reachable yet", ",".join(self.svc.decode_addrs))
+        if not self._closed and not (self.servicer and self.servicer.draining):
+            await self.grpc.set_serving(True)
 
     # loop-thread callbacks, bound before the servicer exists
     def _on_output(self, msg: object) -> None:
@@ -155,10 +181,14 @@ class SchedulerServer:
         if self._closed:
             return
         self._closed = True
+        if self._ready_task is not None:
+            self._ready_task.cancel()
         if self.servicer is not None:
             await self.servicer.stop()
         if self.detok is not None:
             await self.detok.close()
+        if self.handoff is not None:
+            await self.handoff.close()
         if self.grpc is not None:
             await self.grpc.stop(0)
         if self.runtime is not None:
@@ -190,4 +220,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     svc, engine = parse_args(argv)
     if not svc.detokenizer_addrs:
         raise SystemExit("--detokenizer-addrs (or MESHLM_SCHEDULER_DETOKENIZER_ADDRS) is required")
+    if (engine.disaggregation_mode == "prefill") != bool(svc.decode_addrs):
+        raise SystemExit("--decode-addrs is required with --disaggregation-mode prefill, and only then")
     return serve(svc, engine)

@@ -7,6 +7,13 @@ Connect (one bidi stream per tokenizer replica):
        errors (draining, duplicate rid, no detokenizer reachable)
 When the stream ends or breaks, every unfinished request sent on it is aborted (KV freed).
 
+Prefill/decode disaggregation: a prefill scheduler's loop emits PrefilledReq for each prompt
+it computed; the servicer hands it to a decode scheduler through `handoff` and keeps the
+request tracked (aborts are forwarded) until that scheduler reports it done. A decode
+scheduler takes kv_chunk + prefilled messages on a Connect stream opened by a prefill
+scheduler, tracks them like any request (outputs to its detokenizer, routed by the request's
+origin), and answers handover_done on that stream when they finish.
+
 The servicer is thin: requests go to the loop through the port as io_struct messages; the
 loop's outputs come back on the loop thread and are handed to the asyncio loop, where the
 tracker turns them into wire messages for the detokenizer stream. Everything here runs on the
@@ -34,9 +41,12 @@ from meshlm.scheduler.managers.io_struct import (
     GetLoadReq,
     LoadReport,
     OpenSessionOutput,
+    PrefilledReq,
 )
 from meshlm.scheduler.service import wire
 from meshlm.scheduler.service.detok_client import DetokenizerPushClient
+from meshlm.scheduler.service.handoff import DecodeHandoffClient
+from meshlm.scheduler.service.handoff_wire import prefilled_from_proto
 from meshlm.scheduler.service.observability import RequestObserver, SchedulerMetrics
 from meshlm.scheduler.service.tracker import RequestTracker, TrackedRequest
 from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -53,6 +63,7 @@ class Connection:
     origin: str
     out: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
     rids: set[str] = field(default_factory=set)
+    kv_parts: dict[str, bytearray] = field(default_factory=dict)  # rid -> KV chunks received so far
 
     def send(self, msg: scheduler_pb2.SchedulerOutput) -> None:
         self.out.put_nowait(msg)
@@ -84,6 +95,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.observer = RequestObserver(metrics, scheduler_id)
         self.load_interval_s = load_interval_s
         self.detok: Optional[DetokenizerPushClient] = None  # set by the server (they need each other)
+        self.handoff: Optional[DecodeHandoffClient] = None  # prefill role: set by the server
         self.draining = False
         self.crashed: Optional[str] = None
         self.on_fatal: Optional[Callable[[], None]] = None  # the server stops the process
@@ -145,14 +157,66 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             for t in tracked:
                 self.observer.on_emit(t, 0)
             self._send_detok(detokenizer_pb2.DetokenizerInput(embeddings=pb), pb.rids)
+        elif isinstance(msg, PrefilledReq):
+            return self._hand_over(msg)
         else:
             logger.error("unexpected loop output %s", type(msg).__name__)
             return
+        done: dict[int, list[str]] = {}
         for t in tracked:
             if t.finished:
                 conn = self._conns.get(t.conn_id)
                 if conn is not None:
                     conn.rids.discard(t.rid)
+                    if t.from_prefill:
+                        done.setdefault(conn.id, []).append(t.rid)
+        for conn_id, rids in done.items():
+            self._conns[conn_id].send(
+                scheduler_pb2.SchedulerOutput(handover_done=scheduler_pb2.HandoverDone(rids=rids))
+            )
+
+    # ---- disaggregation: the prefill side (asyncio thread) ------------------------------
+    def _hand_over(self, msg: PrefilledReq) -> None:
+        t = self.tracker.get(msg.req.rid)
+        if t is None or t.finished:
+            return  # failed meanwhile: its KV is already back in this scheduler's pool
+        if t.abort_requested:
+            return self._fail(t, "Aborted by the client", 499)
+        assert self.handoff is not None
+        endpoint = self.handoff.hand_over(msg, t.origin, t.trace)
+        if endpoint is None:
+            return self._fail(t, f"scheduler {self.scheduler_id}: no decode scheduler reachable", 503)
+        t.handed_to = endpoint
+
+    def on_handover_error(self, rid: str, reason: common_pb2.FinishReason) -> None:
+        """A decode scheduler rejected a handed-over request: the error goes to its tokenizer."""
+        t = self.tracker.remove(rid)
+        conn = self._conns.get(t.conn_id) if t is not None else None
+        if conn is not None:
+            conn.rids.discard(rid)
+            conn.send(scheduler_pb2.SchedulerOutput(error=scheduler_pb2.RequestError(rid=rid, reason=reason)))
+
+    def on_handover_lost(self, rids: list[str], message: str) -> None:
+        for rid in rids:
+            t = self.tracker.get(rid)
+            if t is not None:
+                self._fail(t, message, 503)
+
+    def on_handover_done(self, rids: list[str]) -> None:
+        for rid in rids:
+            t = self.tracker.remove(rid)
+            conn = self._conns.get(t.conn_id) if t is not None else None
+            if conn is not None:
+                conn.rids.discard(rid)
+
+    def _abort_rid(self, rid: str, message: str, abort_all: bool = False) -> None:
+        """Abort in this loop and, for requests handed to a decode scheduler, there too."""
+        self._put(AbortReq(rid=rid, abort_all=abort_all, message=message))
+        t = self.tracker.get(rid)
+        if t is not None:
+            t.abort_requested = True
+        if self.handoff is not None:
+            self.handoff.abort(rid, abort_all, message)
 
     def _send_detok(self, msg: detokenizer_pb2.DetokenizerInput, rids: Any) -> None:
         assert self.detok is not None
@@ -214,7 +278,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         """End a request outside the ring: error on its Connect stream, abort in the loop."""
         self.tracker.remove(t.rid)
         if not t.finished:
-            self._put(AbortReq(rid=t.rid, message=message))
+            self._abort_rid(t.rid, message)
         conn = self._conns.get(t.conn_id)
         if conn is not None:
             conn.rids.discard(t.rid)
@@ -296,8 +360,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if live:
             logger.info("tokenizer %s went away: aborting %d requests", conn.origin, len(live))
         for rid in live:
-            self._put(AbortReq(rid=rid, message=f"tokenizer {conn.origin} disconnected"))
+            self._abort_rid(rid, f"tokenizer {conn.origin} disconnected")
         conn.rids.clear()
+        conn.kv_parts.clear()
 
     # ---- inputs -------------------------------------------------------------------------
     def _dispatch(self, conn: Connection, msg: scheduler_pb2.SchedulerInput) -> None:
@@ -318,6 +383,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self._control(conn, msg.call_id, "close_session", lambda cid: wire.close_session_from_proto(msg.close_session, cid))
         elif kind == "get_load":
             self._control(conn, msg.call_id, "get_load", lambda cid: GetLoadReq(call_id=cid))
+        elif kind == "kv_chunk":
+            conn.kv_parts.setdefault(msg.kv_chunk.rid, bytearray()).extend(msg.kv_chunk.data)
+        elif kind == "prefilled":
+            raw = conn.kv_parts.pop(msg.prefilled.req.rid, bytearray())
+            try:
+                prefilled = prefilled_from_proto(msg.prefilled, raw)
+            except ValueError as e:
+                return conn.send(wire.request_error(msg.prefilled.req.rid, str(e), 400))
+            self._submit(conn, msg.prefilled.req, is_embedding=False, prefilled=prefilled)
         elif kind == "hello_origin":
             logger.warning("tokenizer %s sent hello_origin twice; ignored", conn.origin)
         else:
@@ -331,13 +405,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._put(make(internal))
 
     def _abort(self, conn: Connection, pb: scheduler_pb2.AbortReq) -> None:
+        message = pb.message or AbortReq.message
         if pb.abort_all:  # one tokenizer's abort_all covers its own requests only
             for rid in list(conn.rids):
-                self._put(AbortReq(rid=rid, message=pb.message or AbortReq.message))
+                self._abort_rid(rid, message)
             return
-        self._put(wire.abort_from_proto(pb))
+        self._abort_rid(pb.rid, message)
 
-    def _submit(self, conn: Connection, pb: Any, *, is_embedding: bool) -> None:
+    def _submit(
+        self, conn: Connection, pb: Any, *, is_embedding: bool, prefilled: Optional[PrefilledReq] = None
+    ) -> None:
         rid = pb.rid
         token = request_id_var.set(rid)
         try:
@@ -364,10 +441,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 seed = wire.decode_seed(req.input_ids, req.sampling_params, want_logprob_text=want_logprobs)
             self.tracker.add(TrackedRequest(
                 rid=rid, origin=origin, conn_id=conn.id, trace=pb.trace, seed=seed,
-                is_embedding=is_embedding, want_logprobs=want_logprobs,
+                is_embedding=is_embedding, want_logprobs=want_logprobs, from_prefill=prefilled is not None,
             ))
             conn.rids.add(rid)
-            self._put(req)
+            self._put(prefilled or req)
         finally:
             request_id_var.reset(token)
 

@@ -47,6 +47,12 @@ class TrackedRequest:
     finished_at: Optional[float] = None  # monotonic
     times: Optional[ReqTimes] = None  # the engine's phase times (latest seen)
     spans_emitted: set[str] = field(default_factory=set)
+    # Disaggregation. Prefill side: the decode endpoint the request was handed to, and
+    # whether an abort was asked (a handover still in flight is then dropped). Decode side:
+    # the request came from a prefill scheduler, which wants handover_done when it ends.
+    handed_to: Optional[str] = None
+    abort_requested: bool = False
+    from_prefill: bool = False
 
     @property
     def finished(self) -> bool:

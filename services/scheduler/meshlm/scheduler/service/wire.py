@@ -217,7 +217,7 @@ def _untops(rows: Sequence[common_pb2.TopLogprobs]) -> list[TopLogprobs]:
     return [[(e.logprob, e.token_id) for e in row.entries] for row in rows]
 
 
-def _append_logprobs_from_proto(out: BatchTokenIDOut, pb: common_pb2.LogprobDelta) -> None:
+def append_logprobs_from_proto(out: BatchTokenIDOut, pb: common_pb2.LogprobDelta) -> None:
     out.input_token_logprobs.append([t.logprob if t.has_logprob else None for t in pb.input_token_logprobs])
     out.input_token_ids.append([t.token_id for t in pb.input_token_logprobs])
     out.input_top_logprobs.append(_untops(pb.input_top_logprobs))
@@ -282,7 +282,7 @@ def batch_token_id_out_from_proto(pb: scheduler_pb2.BatchTokenIDOut) -> BatchTok
         out.completion_tokens.append(pb.completion_tokens[i])
         out.cached_tokens.append(pb.cached_tokens[i])
         out.retraction_counts.append(pb.retraction_counts[i])
-        _append_logprobs_from_proto(out, pb.logprobs[i])
+        append_logprobs_from_proto(out, pb.logprobs[i])
     return out
 
 

@@ -62,6 +62,28 @@ class ModelConfig:
                 return Path(source).name.split(".")[0]
         return Path(self.path).name
 
+    def verify_tp_size(self, tp_size: int) -> None:
+        """Raise ValueError naming tp_size and the model field it cannot shard.
+
+        What the TP layers support: attention heads and the MLP's intermediate size split
+        evenly; KV heads split evenly or, with fewer KV heads than ranks, each is replicated
+        on tp_size / num_key_value_heads ranks; the vocabulary is padded to a multiple of
+        tp_size. Embedding models (BERT) run on one rank only.
+        """
+        if tp_size == 1:
+            return
+        if self.is_embedding:
+            raise ValueError(f"tp_size must be 1 for embedding models ({self.architecture}), got {tp_size}")
+        kv = self.num_key_value_heads
+        if self.num_attention_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} must divide num_attention_heads ({self.num_attention_heads})")
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(
+                f"tp_size {tp_size} must divide num_key_value_heads ({kv}) or be a multiple of it"
+            )
+        if self.intermediate_size % tp_size:
+            raise ValueError(f"tp_size {tp_size} must divide intermediate_size ({self.intermediate_size})")
+
     @staticmethod
     def from_path(path: str | Path, context_length: Optional[int] = None) -> "ModelConfig":
         path = Path(path)

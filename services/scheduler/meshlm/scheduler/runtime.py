@@ -4,18 +4,31 @@ in-process Engine and by the gRPC scheduler service.
 It resolves the model, reads its config, loads the tokenizer, builds the SchedulerPort (queue
 in, the caller's callbacks out) and the Scheduler (which loads the weights), and runs
 `event_loop_normal` in a daemon thread. A loop crash is logged and reported to `on_crash`.
+
+With --tp-size N > 1 this process is rank 0 of the tensor-parallel group: it checks that the
+model shards N ways, picks the sampler seed when none is given (every rank seeds its RNG with
+it), spawns ranks 1..N-1 (distributed/launch.py), each running `follower_rank` (the same
+Scheduler on its shard, outputs discarded), and builds its own Scheduler on shard 0. stop()
+ends every rank: the loop's last broadcast tells the others to stop, then they are reaped.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import secrets
 import threading
 from typing import Any, Callable, Optional
 
+import torch
+
 from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.distributed import TpGroup
+from meshlm.scheduler.distributed.launch import TpRanks, start_tp_group
 from meshlm.scheduler.managers.port import OutputCallback, SchedulerPort
 from meshlm.scheduler.managers.scheduler import Scheduler
 from meshlm.scheduler.model_config import ModelConfig
+from meshlm.scheduler.model_executor.model_runner import resolve_device
 from meshlm.scheduler.model_loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -23,16 +36,50 @@ logger = logging.getLogger(__name__)
 CrashCallback = Callable[[BaseException], None]
 
 
+def load_model_facts(config: SchedulerConfig) -> tuple[SchedulerConfig, ModelConfig, Any]:
+    """(config with the resolved model path, the model's ModelConfig, its tokenizer); raises
+    ValueError naming tp_size when the model cannot be sharded tp_size ways."""
+    path = resolve_model_path(config.model_path)
+    model_config = ModelConfig.from_path(path, config.context_length)
+    model_config.verify_tp_size(config.tp_size)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer_path or path))
+    return config.replace(model_path=str(path)), model_config, tokenizer
+
+
+def _discard(msg: Any) -> None:
+    """Output callback of ranks > 0: rank 0 alone answers."""
+
+
+def follower_rank(
+    config: SchedulerConfig, tp: TpGroup, cpu_group: torch.distributed.ProcessGroup
+) -> Callable[[], None]:
+    """Start-up of TP rank tp.rank > 0 (in its own process): the Scheduler on its shard, with
+    a port that discards outputs; returns the loop, which takes its inputs from rank 0."""
+    config, model_config, tokenizer = load_model_facts(config)
+    port = SchedulerPort(_discard, _discard)
+    return Scheduler(config, model_config, tokenizer, port, tp, cpu_group).event_loop_normal
+
+
 class SchedulerRuntime:
     def __init__(self, config: SchedulerConfig, on_output: OutputCallback, on_control: OutputCallback) -> None:
-        path = resolve_model_path(config.model_path)
-        self.model_config = ModelConfig.from_path(path, config.context_length)
-        from transformers import AutoTokenizer
-
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(config.tokenizer_path or path))
-        self.config = config.replace(model_path=str(path))
+        self.config, self.model_config, self.tokenizer = load_model_facts(config)
         self.port = SchedulerPort(on_output, on_control)
-        self.scheduler = Scheduler(self.config, self.model_config, self.tokenizer, self.port)
+        self.tp_ranks: Optional[TpRanks] = None
+        if self.config.tp_size == 1:
+            self.scheduler = Scheduler(self.config, self.model_config, self.tokenizer, self.port)
+        else:
+            if self.config.random_seed is None:
+                self.config = self.config.replace(random_seed=secrets.randbelow(1 << 31))
+            self.tp_ranks, self.scheduler = start_tp_group(
+                self.config.tp_size,
+                resolve_device(self.config.device),
+                functools.partial(follower_rank, self.config.replace(load_progress=False)),
+                lambda tp, cpu_group: Scheduler(
+                    self.config, self.model_config, self.tokenizer, self.port, tp, cpu_group
+                ),
+            )
         self._thread: Optional[threading.Thread] = None
         self._on_crash: Optional[CrashCallback] = None
         self.crashed: Optional[BaseException] = None
@@ -49,6 +96,8 @@ class SchedulerRuntime:
         except BaseException as e:  # a loop crash must fail every waiter, never hang them
             logger.exception("scheduler loop crashed")
             self.crashed = e
+            if self.tp_ranks is not None:
+                self.tp_ranks.terminate()  # they wait for a broadcast that will not come
             if self._on_crash is not None:
                 self._on_crash(e)
             raise
@@ -57,7 +106,12 @@ class SchedulerRuntime:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop after its current step and wait for the thread."""
+        """Stop the loop after its current step and wait for the thread; with TP, then wait
+        for the other ranks to exit (killing any left after `timeout`) and leave the group."""
         self.scheduler.stop()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
+        elif self.tp_ranks is not None and not self.tp_ranks.stopped:
+            self.scheduler.event_loop_normal()  # never started: its one iteration broadcasts the stop
+        if self.tp_ranks is not None:
+            self.tp_ranks.join(timeout)

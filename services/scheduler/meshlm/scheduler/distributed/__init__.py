@@ -2,8 +2,9 @@
 
 A TpGroup is passed explicitly to every parallel layer (no global state of our own). With
 size 1 every collective is the identity, so single-process CPU runs need no process group.
-With size > 1 it uses torch.distributed's default process group, which the scheduler's
-rank processes initialise (gloo on CPU, nccl on CUDA).
+With size > 1 it uses torch.distributed's default process group, which
+parallel_state.init_tp_group starts in every rank process (gloo on CPU, nccl on CUDA);
+distributed/launch.py spawns those processes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ class TpGroup:
         if self.size > 1:
             torch.distributed.all_reduce(x)
         return x
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (the value itself for size 1); `device` is
+        where the default group's backend takes tensors (cpu for gloo, cuda:rank for nccl)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return int(t.item())
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along the last dimension (identity for size 1)."""

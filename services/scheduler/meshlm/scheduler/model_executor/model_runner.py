@@ -3,7 +3,9 @@
 Sizing (done once at start-up):
     max_total_num_tokens = --max-total-tokens, or KV budget // bytes per token, where the budget
     is --kv-cache-memory-gb (CPU default 2 GiB) or, on CUDA, mem_fraction_static of the free
-    memory left after loading the weights.
+    memory left after loading the weights. With tensor parallelism the budget is per rank
+    (a token's bytes count this rank's KV heads) and every rank takes the smallest rank's
+    size, so all pools are equal.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and tp.size > 1:
+            self.device = torch.device("cuda", tp.rank)  # one pod per TP group: rank r owns GPU r
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         if config.random_seed is not None:
             torch.manual_seed(config.random_seed)
@@ -93,6 +97,9 @@ class ModelRunner:
         total = cfg.max_total_tokens or self._kv_budget_bytes() // cell
         if mc.is_embedding and cfg.max_total_tokens is None:
             total = min(total, EMBEDDING_MAX_TOTAL_TOKENS)  # encoders keep no KV between steps
+        # Every rank runs the same schedule, so every rank's pool must be the same size: the
+        # smallest budget wins (CUDA ranks can see different free memory).
+        total = self.tp.min_over_ranks(total, self.device)
         total = total // cfg.page_size * cfg.page_size
         self.max_total_num_tokens = total
         max_running = cfg.max_running_requests or min(DEFAULT_MAX_RUNNING, max(total // 2, 1))

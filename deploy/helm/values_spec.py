@@ -308,9 +308,8 @@ def specific(component: str) -> dict[str, Node]:
                                  "--device=cpu (clusters without GPUs).",
                                  {"enum": ["cuda", "cpu"]}, "cuda")
         f["tp"] = Field("Tensor-parallel size: GPUs per pod (gpuResourceName) and --tp-size. "
-                        "NOTE: the scheduler service does not run TP ranks yet; it accepts "
-                        "--tp-size but serves on one rank, so tp > 1 reserves GPUs it does not "
-                        "use.", minimum(1), 1)
+                        "The pod runs tp rank processes, rank r on GPU r; tp must divide the "
+                        "model's attention heads.", minimum(1), 1)
         f["gpuResourceName"] = Field("Extended resource name of a GPU.",
                                      {"type": "string", "minLength": 1}, "nvidia.com/gpu")
         f["role"] = Field("Scheduler role, rendered as the pod label meshlm.io/role. Only unified "

@@ -1,4 +1,4 @@
-"""Scheduler: the event loop of one scheduler (TP rank 0), as in SGLang's event_loop_normal.
+"""Scheduler: the event loop of one scheduler (one per TP rank), as in SGLang's event_loop_normal.
 
     loop:  recv_requests -> process_input_requests -> get_next_batch_to_run
            -> run_batch -> process_batch_result (extend | decode | embed) -> (idle: on_idle)
@@ -8,6 +8,13 @@ chunked request and finished ones); a new prefill batch has priority; otherwise 
 of the running batch, retracting requests when the KV pool cannot hold the next tokens.
 
 All state is owned by the loop thread; the outside talks to it only through the port.
+
+Tensor parallelism: every rank runs this same Scheduler on its shard. Rank 0 owns the port;
+each iteration it drains its inbox and broadcasts the messages (and whether to stop) to the
+other ranks, whose ports stay empty and discard outputs. Every scheduling decision depends
+only on those messages and on state they produced (never on clocks, on the values of object
+ids or on unseeded randomness), and sampling sees all-gathered logits and an identically
+seeded RNG, so every rank schedules, samples and stops identically and their collectives match.
 """
 
 from __future__ import annotations
@@ -15,12 +22,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any, Optional
 
 import torch
 
 from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.distributed import SINGLE, TpGroup
+from meshlm.scheduler.distributed.parallel_state import broadcast_pyobj
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
     CloseSessionReq,
@@ -59,13 +69,25 @@ IN_BATCH_PREFIX_TOKENS = 32  # SGLang's IN_BATCH_PREFIX_CACHING thresholds
 
 class Scheduler(SchedulerOutputMixin, DisaggregationMixin):
     def __init__(
-        self, config: SchedulerConfig, model_config: ModelConfig, tokenizer: Any, port: SchedulerPort
+        self,
+        config: SchedulerConfig,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        port: SchedulerPort,
+        tp: TpGroup = SINGLE,
+        tp_cpu_group: Optional[torch.distributed.ProcessGroup] = None,
     ) -> None:
+        """tp: this rank of the TP group; tp_cpu_group: the group's gloo CPU group (required
+        when tp.size > 1), over which rank 0 broadcasts each iteration's inputs."""
+        if tp.size > 1 and tp_cpu_group is None:
+            raise ValueError("a tensor-parallel Scheduler needs the group's CPU process group")
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.port = port
-        self.tp_worker = TpModelWorker(model_config, config)
+        self.tp = tp
+        self.tp_cpu_group = tp_cpu_group
+        self.tp_worker = TpModelWorker(model_config, config, tp)
         runner = self.tp_worker.model_runner
         self.device = runner.device
         self.req_to_token_pool = runner.req_to_token_pool
@@ -99,16 +121,41 @@ class Scheduler(SchedulerOutputMixin, DisaggregationMixin):
 
     # ---- the loop -------------------------------------------------------------------------
     def event_loop_normal(self) -> None:
-        """Run until stop(). The loop runs in inference mode (SGLang's DynamicGradMode): the
-        forward's logits are inference tensors that sampling and penalties modify in place."""
+        """Run until stop() on rank 0 (on every rank: the stop travels with the inputs). The
+        loop runs in inference mode (SGLang's DynamicGradMode): the forward's logits are
+        inference tensors that sampling and penalties modify in place."""
         with torch.inference_mode():
-            while not self._stop.is_set():
+            while True:
                 idle = (
                     self.last_batch is None and not self.waiting_queue and not self.transfer_queue
                     and self.running_batch.is_empty()
                 )
-                self.process_input_requests(self.port.recv_requests(block=idle, timeout=0.05))
+                msgs, stop = self.recv_requests(block=idle)
+                if stop:
+                    return
+                self.process_input_requests(msgs)
                 self.step()
+
+    def recv_requests(self, block: bool) -> tuple[list[Any], bool]:
+        """This iteration's input messages and whether the loop stops, equal on every rank.
+
+        Rank 0 decides to stop once stop() was called, else drains its port (waiting up to
+        50 ms for a first message when `block`) and names unnamed sessions; with tp > 1 it
+        broadcasts both to the other ranks, which take them from that broadcast.
+        """
+        msgs: list[Any] = []
+        stop = False
+        if self.tp.rank == 0:
+            stop = self._stop.is_set()
+            if not stop:
+                msgs = self.port.recv_requests(block=block, timeout=0.05)
+            for msg in msgs:
+                if isinstance(msg, OpenSessionReq) and not msg.session_id:
+                    msg.session_id = uuid.uuid4().hex  # drawn once, so every rank opens this id
+        if self.tp.size > 1:
+            assert self.tp_cpu_group is not None
+            msgs, stop = broadcast_pyobj((msgs, stop), self.tp.rank, self.tp_cpu_group)
+        return msgs, stop
 
     def step(self) -> Optional[ScheduleBatch]:
         """One iteration after input processing: schedule, run, process. Returns the batch run."""
@@ -404,7 +451,10 @@ class Scheduler(SchedulerOutputMixin, DisaggregationMixin):
 
     @staticmethod
     def _head(req: Req) -> tuple[int, ...]:
-        """The first tokens of a request: equal heads mean a shared prefix worth reusing."""
+        """The first tokens of a request: equal heads mean a shared prefix worth reusing.
+
+        A short request's head holds id(req) only to be unique among live requests: it equals
+        no other head, so decisions never depend on the id's value (same on every TP rank)."""
         if len(req.fill_ids) <= IN_BATCH_PREFIX_TOKENS:
             return (-1, id(req))  # too short to share: unique
         return tuple(req.fill_ids[:IN_BATCH_PREFIX_TOKENS])

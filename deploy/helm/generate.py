@@ -15,7 +15,15 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from values_spec import COMPONENTS, Field, Node, Obj, component_spec, umbrella_spec  # noqa: E402
+from values_spec import (  # noqa: E402
+    COMPONENTS,
+    UMBRELLA_SUBCHARTS,
+    Field,
+    Node,
+    Obj,
+    component_spec,
+    umbrella_spec,
+)
 
 HERE = Path(__file__).resolve().parent
 HEADER = (
@@ -96,7 +104,7 @@ def render() -> dict[Path, str]:
     schema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "meshlm values",
-        **to_schema(umbrella, {c: component_spec(c) for c in COMPONENTS}),
+        **to_schema(umbrella, {key: component_spec(c) for key, c in UMBRELLA_SUBCHARTS.items()}),
     }
     files[HERE / "meshlm" / "values.schema.json"] = json.dumps(schema, indent=2) + "\n"
     files[HERE / "meshlm" / "values.yaml"] = HEADER + "\n".join(to_yaml(umbrella)) + "\n"

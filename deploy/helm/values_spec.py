@@ -312,9 +312,15 @@ def specific(component: str) -> dict[str, Node]:
                         "model's attention heads.", minimum(1), 1)
         f["gpuResourceName"] = Field("Extended resource name of a GPU.",
                                      {"type": "string", "minLength": 1}, "nvidia.com/gpu")
-        f["role"] = Field("Scheduler role, rendered as the pod label meshlm.io/role. Only unified "
-                          "is accepted: prefill/decode disaggregation is not implemented yet.",
-                          {"enum": ["unified"]}, "unified")
+        f["role"] = Field("Scheduler role (--disaggregation-mode; also the pod label meshlm.io/role). "
+                          "unified: prefill and decode here. prefill: computes prompts and hands "
+                          "their KV + first token to the decode schedulers of decodeAddrs; "
+                          "tokenizers connect to it as to a unified one. decode: continues requests "
+                          "handed over by prefill schedulers; its resources are named "
+                          "<system>-meshlm-scheduler-decode. prefill and decode need tp 1.",
+                          {"enum": ["unified", "prefill", "decode"]}, "unified")
+        f["decodeAddrs"] = Field("role prefill: decode schedulers, host:port list (--decode-addrs); "
+                                 "empty = <system>-meshlm-scheduler-decode-headless:30010.", ADDRS, "")
         f["shmSizeLimit"] = Field("Size of the in-memory /dev/shm (NCCL and torch need more "
                                   "than the 64Mi default).", QUANTITY, "2Gi")
         f["model"] = model_block(component)
@@ -351,10 +357,20 @@ def component_spec(component: str) -> Obj:
     return Obj(f"Values of the meshlm-{component} chart.", fields)
 
 
+# Umbrella value key -> the chart behind it: `decode` is a second meshlm-scheduler, the decode
+# role of prefill/decode disaggregation (off by default).
+UMBRELLA_SUBCHARTS = {**{c: c for c in COMPONENTS}, "decode": "scheduler"}
+
+
 def umbrella_spec() -> Obj:
     fields: dict[str, Node] = {"global": global_block()}
     for c in COMPONENTS:
         enabled = component_spec(c).fields["enabled"]
         fields[c] = Obj(f"Values of the meshlm-{c} subchart (every key of its values.yaml); "
                         f"{c}.enabled=false leaves it out.", {"enabled": enabled})
+    fields["decode"] = Obj(
+        "Prefill/decode disaggregation: a second meshlm-scheduler subchart (every key of its "
+        "values.yaml) running the decode role. Enable it together with scheduler.role=prefill.", {
+            "enabled": Field("Render the decode schedulers.", BOOL, False),
+            "role": Field("Keep decode.", {"enum": ["decode"]}, "decode")})
     return Obj("Values of the meshlm umbrella chart.", fields)

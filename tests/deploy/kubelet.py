@@ -79,9 +79,9 @@ class LocalCluster:
                 f"{w['metadata']['name']}: run one replica locally"
             )
             tpl = w["spec"]["template"]
-            pod = Pod(
-                component_of(w), tpl["spec"], tpl["metadata"]["labels"], root / component_of(w)
-            )
+            # Named by the workload's name label: its component, or scheduler-decode.
+            name = w["metadata"]["labels"]["app.kubernetes.io/name"].removeprefix("meshlm-")
+            pod = Pod(name, tpl["spec"], tpl["metadata"]["labels"], root / name)
             for c in tpl["spec"]["containers"]:
                 for p in c.get("ports", []):
                     pod.ports[p["containerPort"]] = free_port()

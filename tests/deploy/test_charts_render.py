@@ -15,6 +15,7 @@ from .charts import (
     CHARTS,
     COMPONENTS,
     HELM_DIR,
+    RELEASE,
     K8S_VERSIONS,
     by_kind,
     component_of,
@@ -28,7 +29,7 @@ from .charts import (
     workloads,
 )
 
-VALUE_SETS = ("default", "cpu", "tp2", "dp2", "production")
+VALUE_SETS = ("default", "cpu", "tp2", "dp2", "production", "pd")
 SEVERITY_ERROR = 3
 
 
@@ -103,6 +104,11 @@ def test_renders_and_validates_against_kubernetes_schemas(
     assert len(names) == len(set(names)), f"duplicate objects: {names}"
 
 
+def _name(w: dict[str, Any]) -> str:
+    """A workload's name label without "meshlm-": its component, or scheduler-decode."""
+    return w["metadata"]["labels"]["app.kubernetes.io/name"].removeprefix("meshlm-")
+
+
 def _umbrella_docs(umbrella: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
     return manifests(render(umbrella, values))
 
@@ -113,19 +119,25 @@ def test_peers_are_addressed_by_rendered_headless_services(value_set: str, umbre
     selects the peer's pods and targets its gRPC container port."""
     docs = _umbrella_docs(umbrella, _values(value_set))
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
-    pods = {component_of(w): w["spec"]["template"] for w in workloads(docs)}
+    pods = {_name(w): w["spec"]["template"] for w in workloads(docs)}
     expected = {
         "gateway": {"tokenizer-addrs": "tokenizer"},
         "tokenizer": {"scheduler-addrs": "scheduler", "detokenizer-addrs": "detokenizer"},
-        "scheduler": {"detokenizer-addrs": "detokenizer"},
+        "scheduler": {"detokenizer-addrs": "detokenizer", "decode-addrs": "scheduler-decode"},
+        "scheduler-decode": {"detokenizer-addrs": "detokenizer"},
     }
     for w in workloads(docs):
-        for flag, peer in expected.get(component_of(w), {}).items():
+        for flag, peer in expected.get(_name(w), {}).items():
+            if flag not in flags(container(w)):
+                assert flag == "decode-addrs"  # only a prefill scheduler has decode peers
+                continue
             host, port = flags(container(w))[flag].rsplit(":", 1)
             svc = services[host]
             assert svc["spec"]["clusterIP"] == "None", f"{host} is not headless"
             (svc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
             assert selects(svc["spec"]["selector"], pods[peer]["metadata"]["labels"])
+            others = [n for n in pods if n != peer]
+            assert not any(selects(svc["spec"]["selector"], pods[n]["metadata"]["labels"]) for n in others)
             named = {
                 p["name"]: p["containerPort"] for p in pods[peer]["spec"]["containers"][0]["ports"]
             }
@@ -160,13 +172,16 @@ def test_workload_contract(value_set: str, umbrella: Path) -> None:
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         assert {"/tmp", "/cache"} <= mounts
         if comp == "scheduler":
-            sv = values.get("scheduler", {})
+            decode = _name(w) == "scheduler-decode"
+            sv = values.get("decode" if decode else "scheduler", {})
             tp, acc = sv.get("tp", 1), sv.get("accelerator", "cuda")
+            role = sv.get("role", "decode" if decode else "unified")
+            assert f.get("disaggregation-mode", "unified") == role
             assert w["kind"] == "StatefulSet" and w["spec"]["replicas"] == sv.get("replicaCount", 1)
             assert f["tp-size"] == str(tp) and f["device"] == acc
             gpus = c["resources"]["limits"].get("nvidia.com/gpu")
             assert gpus == (tp if acc == "cuda" else None)
-            assert w["spec"]["template"]["metadata"]["labels"]["meshlm.io/role"] == "unified"
+            assert w["spec"]["template"]["metadata"]["labels"]["meshlm.io/role"] == role
             assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600
             assert w["spec"]["serviceName"] in {
                 s["metadata"]["name"] for s in by_kind(docs, "Service")
@@ -292,3 +307,33 @@ def test_model_sources(chart: str) -> None:
     assert flags(container(w))[path_flag] == "/models/model"
     with pytest.raises(helm.HelmRenderError, match="model.pvc.claimName is required"):
         render(HELM_DIR / chart, {"model": {"source": "pvc", "path": "x"}})
+
+
+def test_prefill_decode_roles(umbrella: Path) -> None:
+    """pd: the tokenizers' schedulers prefill and name the decode StatefulSet's headless service;
+    the decode pods have their own name, label and service."""
+    docs = _umbrella_docs(umbrella, example("pd"))
+    by_name = {_name(w): w for w in workloads(docs)}
+    prefill, decode = by_name["scheduler"], by_name["scheduler-decode"]
+    assert prefill["metadata"]["name"] == f"{RELEASE}-meshlm-scheduler"
+    assert decode["metadata"]["name"] == f"{RELEASE}-meshlm-scheduler-decode"
+    assert decode["spec"]["replicas"] == 2
+    pf, df = flags(container(prefill)), flags(container(decode))
+    assert pf["disaggregation-mode"] == "prefill" and df["disaggregation-mode"] == "decode"
+    assert pf["decode-addrs"] == f"{RELEASE}-meshlm-scheduler-decode-headless:30010"
+    assert "decode-addrs" not in df
+    assert decode["spec"]["serviceName"] == f"{RELEASE}-meshlm-scheduler-decode-headless"
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"decode": {"enabled": True}}, "decode.enabled=true needs scheduler.role=prefill"),
+        ({"scheduler": {"role": "prefill"}}, "scheduler.role=prefill needs decode schedulers"),
+        ({"scheduler": {"role": "prefill", "tp": 2}, "decode": {"enabled": True}}, "role prefill needs tp 1"),
+    ],
+)
+def test_inconsistent_roles_fail_the_render(values: dict[str, Any], message: str, umbrella: Path) -> None:
+    with pytest.raises(Exception) as err:
+        render(umbrella, values)
+    assert message in str(err.value)

@@ -49,11 +49,14 @@ def plaintext_health(address: str) -> Optional[int]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mtls"])
+@pytest.mark.parametrize("tls,pd", [(False, False), (True, False), (False, True)], ids=["plaintext", "mtls", "pd"])
 def test_rendered_umbrella_runs_as_local_processes(
-    umbrella: Path, smollm_path: str, tmp_path: Path, tls: bool
+    umbrella: Path, smollm_path: str, tmp_path: Path, tls: bool, pd: bool
 ) -> None:
     values = example("cpu")
+    if pd:  # prefill/decode disaggregation: the request crosses both scheduler pods
+        values["scheduler"]["role"] = "prefill"
+        values["decode"] = {**values["scheduler"], "enabled": True, "role": "decode"}
     values["gateway"] = {"apiKey": {"secretName": "meshlm-api-key", "secretKey": "api-key"}}
     secret_files: dict[str, Path] = {}
     if tls:  # the kubelet maps every Service to 127.0.0.1: the certificate names that IP

@@ -137,7 +137,7 @@ def test_invalid_values_are_rejected(chart: str, values: dict[str, Any], message
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"role": "prefill"}, "at '/role': value must be 'unified'"),
+        ({"role": "both"}, "at '/role'"),
         ({"tp": "2"}, "at '/tp': got string, want integer"),
         ({"accelerator": "tpu"}, "at '/accelerator'"),
         ({"model": {"source": "s3"}}, "at '/model/source'"),
@@ -148,7 +148,7 @@ def test_invalid_scheduler_values_are_rejected(values: dict[str, Any], message: 
         render(HELM_DIR / "meshlm-scheduler", values)
     assert message in str(err.value)
     description = _schema("meshlm-scheduler")["properties"]["role"]["description"]
-    assert "not implemented yet" in description
+    assert "prefill" in description and "decode" in description
 
 
 @pytest.mark.parametrize(
@@ -263,7 +263,8 @@ def test_charts_share_one_values_shape() -> None:
 def test_umbrella_dependencies_match_the_charts() -> None:
     umbrella = yaml.safe_load((HELM_DIR / "meshlm" / "Chart.yaml").read_text())
     deps = {d["alias"]: d for d in umbrella["dependencies"]}
-    assert set(deps) == {c.removeprefix("meshlm-") for c in CHARTS}
+    assert set(deps) == {c.removeprefix("meshlm-") for c in CHARTS} | {"decode"}
+    assert deps["decode"]["name"] == "meshlm-scheduler"
     for alias, dep in deps.items():
         chart = yaml.safe_load((HELM_DIR / dep["name"] / "Chart.yaml").read_text())
         assert (

@@ -15,12 +15,14 @@ global.meshlm.system, and the umbrella chart gets the same names from its one re
 {{- $g.system | default .ctx.Release.Name | trunc 30 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- /* An optional "name" replaces the component in resource names and the name label (the
+scheduler chart's decode role: "scheduler-decode", beside the prefill "scheduler"). */ -}}
 {{- define "meshlm.fullname" -}}
-{{- printf "%s-meshlm-%s" (include "meshlm.system" .) .component -}}
+{{- printf "%s-meshlm-%s" (include "meshlm.system" .) (.name | default .component) -}}
 {{- end -}}
 
 {{- define "meshlm.selectorLabels" -}}
-app.kubernetes.io/name: meshlm-{{ .component }}
+app.kubernetes.io/name: meshlm-{{ .name | default .component }}
 meshlm.io/system: {{ include "meshlm.system" . }}
 {{- end -}}
 

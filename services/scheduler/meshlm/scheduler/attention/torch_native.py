@@ -5,15 +5,18 @@ prefix_i + a) may see cache positions 0 .. prefix_i + a, i.e. a causal mask alig
 bottom-right corner of the [extend_len, seq_len] score matrix. A request without a cached
 prefix attends over its fresh k/v directly (no gather).
 
-DECODE: one batched SDPA call. Cache positions of all requests are gathered into a padded
-[B, L_max] layout (index and gather buffers built once per forward in init_forward_metadata);
-a key mask hides positions >= seq_len_i.
+DECODE: one batched SDPA call per length bucket. Requests are sorted by length and cut into
+buckets whose longest row is at most BUCKET_GROWTH x (+ BUCKET_SLACK) its shortest, so rows of
+very different lengths are not all padded to the longest context of the batch (gathering and
+attending over padding is most of a decode step's attention cost). Within a bucket, cache
+positions are gathered into a padded [b, L_bucket] layout (index and gather buffers built once
+per forward in init_forward_metadata); a key mask hides positions >= seq_len_i.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +28,38 @@ if TYPE_CHECKING:
     from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 
 
+BUCKET_GROWTH = 1.25
+BUCKET_SLACK = 64
+
+
 @dataclass
-class _DecodeMeta:
-    flat_idx: torch.Tensor  # [B * L_max] KV slots, row-major, padded with slot 0
-    key_mask: torch.Tensor  # [B, 1, 1, L_max] True where a key may be attended
+class _DecodeBucket:
+    rows: Optional[torch.Tensor]  # [b] batch rows of this bucket; None = the whole batch, in order
+    flat_idx: torch.Tensor  # [b * L] KV slots, row-major, padded with slot 0
+    key_mask: torch.Tensor  # [b, 1, 1, L] True where a key may be attended
     # Gather buffers reused by every layer of this forward (fresh tensors per layer cost
-    # mostly page faults): [B * L_max, H_kv, D].
+    # mostly page faults): [b * L, H_kv, D].
     k_gather: torch.Tensor
     v_gather: torch.Tensor
+
+
+@dataclass
+class _DecodeMeta:
+    buckets: list[_DecodeBucket]
+
+
+def length_buckets(lens: list[int]) -> list[list[int]]:
+    """Batch rows grouped by length: ascending runs whose longest is at most
+    max(shortest * BUCKET_GROWTH, shortest + BUCKET_SLACK). Every row is in exactly one bucket."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    buckets: list[list[int]] = []
+    limit = -1.0
+    for i in order:
+        if not buckets or lens[i] > limit:
+            buckets.append([])
+            limit = max(lens[i] * BUCKET_GROWTH, lens[i] + BUCKET_SLACK)
+        buckets[-1].append(i)
+    return buckets
 
 
 @dataclass
@@ -46,20 +73,27 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert fb.req_to_token_pool is not None
         table = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
-            max_len = max(fb.seq_lens_cpu)
-            kv_idx = table[fb.req_pool_indices, :max_len]
-            lens = fb.seq_lens.to(kv_idx.device)
-            mask = torch.arange(max_len, device=kv_idx.device)[None, :] < lens[:, None]
             pool = fb.token_to_kv_pool
             assert pool is not None
             k0 = pool.get_key_buffer(0)
-            shape = (kv_idx.numel(), k0.shape[1], k0.shape[2])
-            fb.attn_metadata = _DecodeMeta(
-                kv_idx.masked_fill(~mask, 0).reshape(-1),
-                mask[:, None, None, :],
-                torch.empty(shape, dtype=k0.dtype, device=k0.device),
-                torch.empty(shape, dtype=k0.dtype, device=k0.device),
-            )
+            groups = length_buckets(fb.seq_lens_cpu)
+            buckets = []
+            for group in groups:
+                rows = None if len(groups) == 1 else torch.tensor(group, dtype=torch.int64, device=k0.device)
+                pool_rows = fb.req_pool_indices if rows is None else fb.req_pool_indices[rows]
+                lens = fb.seq_lens if rows is None else fb.seq_lens[rows]
+                max_len = max(fb.seq_lens_cpu[i] for i in group)
+                kv_idx = table[pool_rows, :max_len]
+                mask = torch.arange(max_len, device=kv_idx.device)[None, :] < lens.to(kv_idx.device)[:, None]
+                shape = (kv_idx.numel(), k0.shape[1], k0.shape[2])
+                buckets.append(_DecodeBucket(
+                    rows,
+                    kv_idx.masked_fill(~mask, 0).reshape(-1),
+                    mask[:, None, None, :],
+                    torch.empty(shape, dtype=k0.dtype, device=k0.device),
+                    torch.empty(shape, dtype=k0.dtype, device=k0.device),
+                ))
+            fb.attn_metadata = _DecodeMeta(buckets)
             return
         bounds, kv_idx, start = [], [], 0
         rows = fb.req_pool_indices.tolist()
@@ -85,18 +119,38 @@ class TorchNativeAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             meta = fb.attn_metadata
             assert isinstance(meta, _DecodeMeta)
-            b, h, d = q.shape
-            hkv = layer.num_kv_heads
-            torch.index_select(k_buf, 0, meta.flat_idx, out=meta.k_gather)
-            torch.index_select(v_buf, 0, meta.flat_idx, out=meta.v_gather)
-            keys = meta.k_gather.view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-            vals = meta.v_gather.view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
-            # GQA without expanding K/V: query head j uses KV head j // G, so the G query heads
-            # of a KV head act as G query positions attending to the same keys.
-            out = F.scaled_dot_product_attention(
-                q.view(b, hkv, h // hkv, d), keys, vals, attn_mask=meta.key_mask, scale=layer.scaling
-            )
-            return out.reshape(b, h, d)
+            if len(meta.buckets) == 1:
+                return self._decode_bucket(q, k_buf, v_buf, layer, meta.buckets[0])
+            out = torch.empty_like(q)
+            for bucket in meta.buckets:
+                assert bucket.rows is not None
+                part = self._decode_bucket(q.index_select(0, bucket.rows), k_buf, v_buf, layer, bucket)
+                out.index_copy_(0, bucket.rows, part)
+            return out
+        return self._extend(q, k, v, k_buf, v_buf, layer, fb, gqa)
+
+    @staticmethod
+    def _decode_bucket(
+        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention", bucket: _DecodeBucket
+    ) -> torch.Tensor:
+        b, h, d = q.shape
+        hkv = layer.num_kv_heads
+        torch.index_select(k_buf, 0, bucket.flat_idx, out=bucket.k_gather)
+        torch.index_select(v_buf, 0, bucket.flat_idx, out=bucket.v_gather)
+        keys = bucket.k_gather.view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
+        vals = bucket.v_gather.view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        # GQA without expanding K/V: query head j uses KV head j // G, so the G query heads
+        # of a KV head act as G query positions attending to the same keys.
+        out = F.scaled_dot_product_attention(
+            q.reshape(b, hkv, h // hkv, d), keys, vals, attn_mask=bucket.key_mask, scale=layer.scaling
+        )
+        return out.reshape(b, h, d)
+
+    @staticmethod
+    def _extend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+        layer: "RadixAttention", fb: "ForwardBatch", gqa: bool,
+    ) -> torch.Tensor:
         meta = fb.attn_metadata
         assert isinstance(meta, _ExtendMeta)
         out = torch.empty_like(q)

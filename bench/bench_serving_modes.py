@@ -2,12 +2,12 @@
 prefill/decode disaggregation, mutual TLS and tensor parallelism, on the same streaming workload,
 printed as ratios against the baseline measured in the same run.
 
-    python bench/bench_serving_modes.py                                   # unified,pd,mtls,tp2
+    python bench/bench_serving_modes.py                                   # unified,pd,mtls,tp3
     python bench/bench_serving_modes.py --modes unified,pd --concurrency 1,16 --input-len 512
 
 Modes: `unified` (one scheduler), `pd` (one prefill + one decode scheduler: every request's KV
-crosses gRPC), `mtls` (every gRPC link on mutual TLS, throwaway CA), `tp2` (one scheduler with
-two tensor-parallel ranks). On a CPU-only machine with few cores, pd and tp2 add processes that
+crosses gRPC), `mtls` (every gRPC link on mutual TLS, throwaway CA), `tp3` (one scheduler with
+three tensor-parallel ranks). On a CPU-only machine with few cores, pd and tp3 add processes that
 compete for the same cores: the ratios show their overhead there, not their benefit on GPUs.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_online import Result, bench_openai, make_workload, print_table  # noqa: E402
 
-MODES = ("unified", "pd", "mtls", "tp2")
+MODES = ("unified", "pd", "mtls", "tp3")
 
 
 def plan_for(mode: str, model: str, engine_args: tuple[str, ...], tmp: Path) -> Any:
@@ -35,8 +35,8 @@ def plan_for(mode: str, model: str, engine_args: tuple[str, ...], tmp: Path) -> 
     args = engine_args
     if mode == "pd":
         kw["decode_dp_size"] = 1
-    elif mode == "tp2":
-        args = args + ("--tp-size", "2")
+    elif mode == "tp3":  # the default SmolLM2 has 9 attention heads: tp must divide 9
+        args = args + ("--tp-size", "3")
     elif mode == "mtls":
         from tests.tls_certs import make_pki
 
@@ -81,6 +81,7 @@ def main() -> None:
             for r in rows:
                 r.label = mode
             results[mode] = rows
+            print_table(rows)  # as each mode finishes: a long run that dies keeps what it measured
     print_table([r for rows in results.values() for r in rows])
     base = results["unified"]
     print("\nratios mode / unified (out tok/s: higher is better; TTFT, ITL: lower is better)")

@@ -96,7 +96,7 @@ class SchedulerConfig:
             "stream_interval": "emit streamed outputs every N tokens",
             "max_queued_requests": "reject new requests when this many wait (RESOURCE_EXHAUSTED)",
             "attention_backend": "attention implementation: torch_native",
-            "random_seed": "seed of the global sampler RNG",
+            "random_seed": "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)",
             "tp_size": "tensor-parallel size (ranks in this scheduler's pod)",
             "disaggregation_mode": (
                 "prefill/decode disaggregation role: null (prefill and decode here) | prefill "

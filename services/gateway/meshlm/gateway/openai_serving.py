@@ -10,7 +10,7 @@ import base64
 import json
 import sys
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -159,6 +159,52 @@ async def open_stream(request: Request, st: GatewayState, greq: tokenizer_pb2.Ge
         return None
 
 
+async def open_sse_stream(
+    request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest
+) -> Union[GenerateStream, Response]:
+    """open_stream for an SSE route: the stream, a 499 response if the client left, or the HTTP
+    error of a request aborted before any output (bad input is a 400, not an SSE event)."""
+    stream = await open_stream(request, st, greq)
+    if stream is None:
+        return disconnected()
+    if is_abort(stream.first):
+        stream.cancel()
+        raise abort_error(stream.first.meta_info.finish_reason)
+    return stream
+
+
+ChoiceEvents = Callable[[Output, tokenizer_pb2.GenerateResponse, bool], Iterable[str]]
+
+
+async def choice_events(
+    stream: GenerateStream, on_response: ChoiceEvents, on_done: Callable[[dict[int, Output]], Iterable[str]]
+) -> AsyncIterator[str]:
+    """The SSE body of both OpenAI streams. Each response updates its choice's Output (index ->
+    Output) and yields on_response(out, response, first-of-its-choice); an abort ends the stream
+    with an error event, a completed stream with on_done(outputs). A service error becomes an
+    error event; the stream is always cancelled and the body always ends with [DONE]."""
+    outputs: dict[int, Output] = {}
+    try:
+        async for response in stream:
+            first = response.index not in outputs
+            out = outputs.setdefault(response.index, Output(response.index))
+            out.add(response)
+            if out.aborted:
+                err = abort_error(out.finish)
+                yield sse_error(err.status, err.message)
+                break
+            for event in on_response(out, response, first):
+                yield event
+        else:
+            for event in on_done(outputs):
+                yield event
+    except ServiceError as e:
+        yield sse_error(e.http_status, e.message)
+    finally:
+        stream.cancel()
+    yield SSE_DONE
+
+
 def json_response(model: Any) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"))
 
@@ -288,55 +334,38 @@ async def _stream_completion(
     request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest, body: CompletionRequest, model: str,
     echoes: Optional[list[str]],
 ) -> Response:
-    stream = await open_stream(request, st, greq)
-    if stream is None:
-        return disconnected()
-    if is_abort(stream.first):
-        stream.cancel()
-        raise abort_error(stream.first.meta_info.finish_reason)
+    stream = await open_sse_stream(request, st, greq)
+    if isinstance(stream, Response):
+        return stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     created = now()
+    offsets: dict[int, int] = {}  # choice index -> text offset of its next logprob
 
-    async def events() -> AsyncIterator[str]:
-        outputs: dict[int, Output] = {}
-        offsets: dict[int, int] = {}
-        try:
-            async for response in stream:
-                index = response.index
-                first = index not in outputs
-                out = outputs.setdefault(index, Output(index))
-                out.add(response)
-                if out.aborted:
-                    err = abort_error(out.finish)
-                    yield sse_error(err.status, err.message)
-                    break
-                prefix = echoes[index // body.n] if first and echoes else ""
-                if first:
-                    offsets[index] = len(prefix)
-                logprobs = None
-                if greq.return_logprob:
-                    logprobs, offsets[index] = completion_logprobs_of(
-                        response.meta_info.logprobs, bool(body.logprobs), len(prefix) if body.echo else None,
-                        offsets[index],
-                    )
-                if prefix or response.text or out.finished or (logprobs and logprobs.tokens):
-                    choice = CompletionChoice(
-                        index=index, text=prefix + response.text, logprobs=logprobs,
-                        finish_reason=out.openai_finish_reason(), matched_stop=out.matched_stop(),
-                    )
-                    yield sse(CompletionStreamResponse(id=greq.rid, created=created, model=model,
-                                                       choices=[choice]).model_dump(mode="json"))
-            else:
-                if include_usage:
-                    yield sse(CompletionStreamResponse(id=greq.rid, created=created, model=model, choices=[],
-                                                       usage=usage_of(outputs, body.n)).model_dump(mode="json"))
-        except ServiceError as e:
-            yield sse_error(e.http_status, e.message)
-        finally:
-            stream.cancel()
-        yield SSE_DONE
+    def on_response(out: Output, response: tokenizer_pb2.GenerateResponse, first: bool) -> Iterable[str]:
+        index = response.index
+        prefix = echoes[index // body.n] if first and echoes else ""
+        if first:
+            offsets[index] = len(prefix)
+        logprobs = None
+        if greq.return_logprob:
+            logprobs, offsets[index] = completion_logprobs_of(
+                response.meta_info.logprobs, bool(body.logprobs), len(prefix) if body.echo else None,
+                offsets[index],
+            )
+        if prefix or response.text or out.finished or (logprobs and logprobs.tokens):
+            choice = CompletionChoice(
+                index=index, text=prefix + response.text, logprobs=logprobs,
+                finish_reason=out.openai_finish_reason(), matched_stop=out.matched_stop(),
+            )
+            yield sse(CompletionStreamResponse(id=greq.rid, created=created, model=model,
+                                               choices=[choice]).model_dump(mode="json"))
 
-    return sse_response(events(), on_close=stream.cancel)
+    def on_done(outputs: dict[int, Output]) -> Iterable[str]:
+        if include_usage:
+            yield sse(CompletionStreamResponse(id=greq.rid, created=created, model=model, choices=[],
+                                               usage=usage_of(outputs, body.n)).model_dump(mode="json"))
+
+    return sse_response(choice_events(stream, on_response, on_done), on_close=stream.cancel)
 
 
 # ---------------------------------------------------------------------------- chat
@@ -395,12 +424,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 async def _stream_chat(request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest,
                        body: ChatCompletionRequest, model: str) -> Response:
-    stream = await open_stream(request, st, greq)
-    if stream is None:
-        return disconnected()
-    if is_abort(stream.first):
-        stream.cancel()
-        raise abort_error(stream.first.meta_info.finish_reason)
+    stream = await open_sse_stream(request, st, greq)
+    if isinstance(stream, Response):
+        return stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     created = now()
 
@@ -408,40 +434,24 @@ async def _stream_chat(request: Request, st: GatewayState, greq: tokenizer_pb2.G
         return sse(ChatCompletionChunk(id=greq.rid, created=created, model=model,
                                        choices=[choice] if choice else [], usage=usage).model_dump(mode="json"))
 
-    async def events() -> AsyncIterator[str]:
-        outputs: dict[int, Output] = {}
-        try:
-            async for response in stream:
-                index = response.index
-                first = index not in outputs
-                out = outputs.setdefault(index, Output(index))
-                out.add(response)
-                if out.aborted:
-                    err = abort_error(out.finish)
-                    yield sse_error(err.status, err.message)
-                    break
-                if first:  # the first delta of each choice carries the role
-                    yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-                logprobs = None
-                if body.logprobs and len(response.meta_info.logprobs.output_token_logprobs):
-                    logprobs = chat_logprobs_of(response.meta_info.logprobs, body.top_logprobs or 0)
-                if response.text or logprobs:
-                    yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=response.text),
-                                                 logprobs=logprobs))
-                if out.finished:
-                    yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(),
-                                                 finish_reason=out.openai_finish_reason(),
-                                                 matched_stop=out.matched_stop()))
-            else:
-                if include_usage:
-                    yield chunk(None, usage_of(outputs, body.n))
-        except ServiceError as e:
-            yield sse_error(e.http_status, e.message)
-        finally:
-            stream.cancel()
-        yield SSE_DONE
+    def on_response(out: Output, response: tokenizer_pb2.GenerateResponse, first: bool) -> Iterable[str]:
+        index = response.index
+        if first:  # the first delta of each choice carries the role
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        logprobs = None
+        if body.logprobs and len(response.meta_info.logprobs.output_token_logprobs):
+            logprobs = chat_logprobs_of(response.meta_info.logprobs, body.top_logprobs or 0)
+        if response.text or logprobs:
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=response.text), logprobs=logprobs))
+        if out.finished:
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=out.openai_finish_reason(),
+                                         matched_stop=out.matched_stop()))
 
-    return sse_response(events(), on_close=stream.cancel)
+    def on_done(outputs: dict[int, Output]) -> Iterable[str]:
+        if include_usage:
+            yield chunk(None, usage_of(outputs, body.n))
+
+    return sse_response(choice_events(stream, on_response, on_done), on_close=stream.cancel)
 
 
 # ---------------------------------------------------------------------------- embeddings

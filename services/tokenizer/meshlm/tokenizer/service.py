@@ -124,18 +124,22 @@ async def start_server(
             TokenizerServicer(manager), server.server
         )
         await server.start()
-        await server.set_serving(manager.peers_ready())
-        manager._bg.append(asyncio.create_task(_track_readiness(server, manager)))
+        serving = manager.peers_ready()
+        await server.set_serving(serving)
+        manager._bg.append(asyncio.create_task(_track_readiness(server, manager, serving)))
     except BaseException:
         await manager.close()
         raise
     return server, manager
 
 
-async def _track_readiness(server: GrpcServer, manager: TokenizerManager, period_s: float = 0.2) -> None:
+async def _track_readiness(
+    server: GrpcServer, manager: TokenizerManager, serving: bool, period_s: float = 0.2
+) -> None:
     """Health follows the peers: SERVING only while a scheduler and a detokenizer are reachable,
-    so Kubernetes (and `meshlm launch`) route traffic only to a tokenizer that can serve it."""
-    serving = manager.peers_ready()
+    so Kubernetes (and `meshlm launch`) route traffic only to a tokenizer that can serve it.
+    `serving` is the status last set: comparing against a fresh peers_ready() read instead would
+    miss a change that happened between setting the status and starting this task."""
     while True:
         await asyncio.sleep(period_s)
         ready = manager.peers_ready()

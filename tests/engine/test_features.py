@@ -483,3 +483,26 @@ def test_cancelling_a_consumer_aborts_the_request(engine: Engine) -> None:
 
     assert asyncio.run(cancel_after_three()) < 400
     _wait_idle(engine)
+
+
+def test_requests_after_a_loop_crash_fail_at_once(smollm_path: str) -> None:
+    """A crashed loop answers nothing: new requests and control calls fail with 500 right away
+    instead of waiting forever."""
+    eng = Engine(model_path=smollm_path, max_total_tokens=1024, load_progress=False)
+    try:
+        def boom() -> None:
+            raise RuntimeError("injected failure")
+
+        eng.scheduler.step = boom  # type: ignore[method-assign]
+        deadline = time.monotonic() + 10
+        while eng.runtime.crashed is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.runtime.crashed is not None
+        t0 = time.monotonic()
+        with pytest.raises(RequestError, match="scheduler loop crashed") as err:
+            eng.generate_sync("Hello", sampling_params={"max_new_tokens": 2})
+        assert err.value.status_code == 500 and time.monotonic() - t0 < 5
+        with pytest.raises(RequestError, match="scheduler loop crashed"):
+            eng.get_load()
+    finally:
+        eng.shutdown()

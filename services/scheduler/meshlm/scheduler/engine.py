@@ -77,6 +77,7 @@ class Engine:
         self._controls: "dict[int, concurrent.futures.Future[Any]]" = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._crashed: Optional[str] = None  # set (under _lock) once the loop died
         self.runtime = SchedulerRuntime(config, self._on_output, self._on_control)
         self.model_config = self.runtime.model_config
         self.tokenizer = self.runtime.tokenizer
@@ -87,6 +88,7 @@ class Engine:
 
     def _on_crash(self, exc: BaseException) -> None:
         with self._lock:
+            self._crashed = f"scheduler loop crashed: {exc!r}"
             states = list(self._states.items())
             controls = list(self._controls.values())
             self._controls.clear()
@@ -117,7 +119,12 @@ class Engine:
         if st is None:
             return
         with self._decode._lock:
-            self._decode._states[msg.req.rid] = st
+            crashed = self._decode._crashed
+            if crashed is None:
+                self._decode._states[msg.req.rid] = st
+        if crashed is not None:
+            st.loop.call_soon_threadsafe(st.queue.put_nowait, {"error": RequestError(crashed, 500)})
+            return
         self._decode.port.put(msg)
 
     def _deliver(self, rid: str, item: dict[str, Any]) -> None:
@@ -144,6 +151,8 @@ class Engine:
         rid = rid or uuid.uuid4().hex
         st = _ReqState(asyncio.get_running_loop(), asyncio.Queue(), sp)
         with self._lock:
+            if self._crashed is not None:  # nothing would ever answer it
+                raise RequestError(self._crashed, 500)
             if rid in self._states:
                 raise RequestError(f"duplicate request id {rid!r}")
             self._states[rid] = st
@@ -291,6 +300,8 @@ class Engine:
         """Send a control message and wait for the loop's reply (matched by call_id)."""
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
         with self._lock:
+            if self._crashed is not None:
+                raise RequestError(self._crashed, 500)
             msg.call_id = next(self._ids)
             self._controls[msg.call_id] = fut
         self.port.put(msg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import subprocess
 import threading
 import time
 from concurrent import futures
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine, Optional, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from meshlm.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -55,6 +57,23 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def wait_process_serving(proc: "subprocess.Popen[Any]", address: str, what: str, timeout: float = 120) -> None:
+    """Until the gRPC process at address reports meshlm.v1.SchedulerService SERVING; fails at
+    once if the process exits during start-up."""
+
+    def serving() -> bool:
+        try:
+            with grpc.insecure_channel(address) as ch:
+                req = health_pb2.HealthCheckRequest(service="meshlm.v1.SchedulerService")
+                st = health_pb2_grpc.HealthStub(ch).Check(req, timeout=1)
+                return st.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            assert proc.poll() is None, "the scheduler exited during start-up"
+            return False
+
+    wait_until(serving, timeout, what, interval=0.2)
 
 
 class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):

@@ -26,6 +26,7 @@ from .scheduler_harness import (
     ServiceThread,
     TokenizerStream,
     build_tiny_llama,
+    wait_process_serving,
     wait_until,
 )
 
@@ -432,16 +433,7 @@ def test_process_serves_metrics_and_drains_on_sigterm(tiny_llama: str) -> None:
     address = f"127.0.0.1:{port}"
     tok = None
     try:
-        def serving() -> bool:
-            try:
-                with grpc.insecure_channel(address) as ch:
-                    st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1)
-                    return st.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.RpcError:
-                assert proc.poll() is None, "the scheduler exited during start-up"
-                return False
-
-        wait_until(serving, 120, "the scheduler process to serve", interval=0.2)
+        wait_process_serving(proc, address, "the scheduler process to serve")
         tok = TokenizerStream(address, "tok-proc")
         load = tok.wait_output(lambda o: o.WhichOneof("msg") == "load").load
         assert load.max_total_num_tokens == 3000 and load.scheduler_id == "sched-proc"

@@ -12,14 +12,18 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from meshlm.scheduler.engine import Engine
 from meshlm.v1 import common_pb2
 
-from .scheduler_harness import RecordingDetokenizer, TokenizerStream, build_tiny_llama, wait_until
-from .test_scheduler_contract import PROMPT, SERVICE, _free_port, greedy
+from .scheduler_harness import (
+    RecordingDetokenizer,
+    TokenizerStream,
+    build_tiny_llama,
+    wait_process_serving,
+    wait_until,
+)
+from .test_scheduler_contract import PROMPT, _free_port, greedy
 
 NEW_TOKENS = 12
 
@@ -74,17 +78,7 @@ def _start(model: str, detok: RecordingDetokenizer) -> tuple[subprocess.Popen, s
         env=os.environ.copy(),
     )
     address = f"127.0.0.1:{port}"
-
-    def serving() -> bool:
-        try:
-            with grpc.insecure_channel(address) as ch:
-                st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1)
-                return st.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            assert proc.poll() is None, "the scheduler exited during start-up"
-            return False
-
-    wait_until(serving, 120, "the TP scheduler process to serve", interval=0.2)
+    wait_process_serving(proc, address, "the TP scheduler process to serve")
     return proc, address
 
 

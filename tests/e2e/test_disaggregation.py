@@ -95,7 +95,8 @@ def test_openai_chat_stream(pd_system: System) -> None:
     wait_both_idle(pd_system)
 
 
-def _open_stream(system: System, max_new_tokens: int):
+def _open_stream(system: System, max_new_tokens: int, events: int):
+    """A streaming /generate, returned once `events` SSE data lines have arrived."""
     body = json.dumps({
         "text": "Tell me a very long story about the sea.",
         "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
@@ -103,15 +104,16 @@ def _open_stream(system: System, max_new_tokens: int):
     }).encode()
     req = urllib.request.Request(system.http_url + "/generate", data=body, method="POST")
     req.add_header("Content-Type", "application/json")
-    return urllib.request.urlopen(req, timeout=60)  # noqa: S310 (loopback)
+    resp = urllib.request.urlopen(req, timeout=60)  # noqa: S310 (loopback)
+    lines = 0
+    while lines < events:
+        if resp.readline().startswith(b"data:"):
+            lines += 1
+    return resp
 
 
 def test_client_disconnect_frees_kv_on_both_schedulers(pd_system: System) -> None:
-    resp = _open_stream(pd_system, 2000)
-    lines = 0
-    while lines < 5:
-        if resp.readline().startswith(b"data:"):
-            lines += 1
+    resp = _open_stream(pd_system, 2000, events=5)
     assert scheduler_load(decode_child(pd_system).address).num_running_reqs == 1
     resp.close()
     wait_both_idle(pd_system, timeout=3.0)
@@ -119,11 +121,7 @@ def test_client_disconnect_frees_kv_on_both_schedulers(pd_system: System) -> Non
 
 def test_decode_scheduler_death_ends_requests_with_an_error(pd_system: System) -> None:
     """Runs last: it kills the module's decode scheduler."""
-    resp = _open_stream(pd_system, 5000)
-    lines = 0
-    while lines < 3:
-        if resp.readline().startswith(b"data:"):
-            lines += 1
+    resp = _open_stream(pd_system, 5000, events=3)
     child = decode_child(pd_system)
     assert child.proc is not None
     child.proc.send_signal(signal.SIGKILL)

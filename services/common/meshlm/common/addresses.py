@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import Optional
+from typing import Awaitable, Callable, Optional, Sequence
 
 
 def parse_addresses(value: str | list[str] | None) -> list[str]:
@@ -48,3 +48,22 @@ async def resolve(address: str) -> list[str]:
     if len(ips) <= 1:
         return [address]
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+
+
+async def resolve_all(
+    addrs: Sequence[str],
+    names: Optional[dict[str, str]] = None,
+    resolver: Callable[[str], Awaitable[list[str]]] = resolve,
+) -> list[str]:
+    """Every endpoint of an address list, in list order, without repeats. `names`, when given,
+    gets endpoint -> the DNS name it was resolved from (what its TLS certificate must carry;
+    IP literals have none)."""
+    out: list[str] = []
+    for addr in addrs:
+        name = server_name(addr)
+        for endpoint in await resolver(addr):
+            if endpoint not in out:
+                out.append(endpoint)
+                if names is not None and name is not None:
+                    names[endpoint] = name
+    return out

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import Request
 
-from meshlm.common.addresses import resolve, server_name
+from meshlm.common.addresses import resolve_all
 from meshlm.common.errors import ServiceError
 from meshlm.common.telemetry import current_traceparent
 from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
@@ -153,14 +153,7 @@ class TokenizerPool:
 
     async def refresh(self) -> None:
         """Re-resolve every configured address (pods of a headless service come and go)."""
-        resolved: list[str] = []
-        for address in self.addresses:
-            name = server_name(address)
-            for endpoint in await resolve(address):
-                if endpoint not in resolved:
-                    resolved.append(endpoint)
-                    if name is not None:
-                        self._names[endpoint] = name
+        resolved = await resolve_all(self.addresses, self._names)
         if resolved != self._resolved:
             logger.info("tokenizer endpoints: %s", ", ".join(resolved))
         self._resolved = resolved

@@ -118,14 +118,19 @@ class Engine:
             st = self._states.get(msg.req.rid)
         if st is None:
             return
-        with self._decode._lock:
-            crashed = self._decode._crashed
-            if crashed is None:
-                self._decode._states[msg.req.rid] = st
+        crashed = self._decode._adopt(msg.req.rid, st)
         if crashed is not None:
             st.loop.call_soon_threadsafe(st.queue.put_nowait, {"error": RequestError(crashed, 500)})
             return
         self._decode.port.put(msg)
+
+    def _adopt(self, rid: str, st: _ReqState) -> Optional[str]:
+        """Deliver rid's outputs to another engine's caller (PD handover); the crash message
+        instead when this engine's loop is dead."""
+        with self._lock:
+            if self._crashed is None:
+                self._states[rid] = st
+            return self._crashed
 
     def _deliver(self, rid: str, item: dict[str, Any]) -> None:
         with self._lock:

@@ -124,15 +124,7 @@ class DecodeHandoffClient:
 
     # ---- discovery and streams ----------------------------------------------------------
     async def _endpoints(self) -> list[str]:
-        out: list[str] = []
-        for a in self.addrs:
-            name = addresses.server_name(a)
-            for r in await self._resolver(a):
-                if r not in out:
-                    out.append(r)
-                    if name is not None:
-                        self._names[r] = name
-        return out
+        return await addresses.resolve_all(self.addrs, self._names, self._resolver)
 
     async def _discover(self) -> None:
         while True:

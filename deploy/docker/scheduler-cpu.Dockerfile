@@ -28,6 +28,11 @@ RUN pip install ".[scheduler]" \
 
 FROM python:3.11.9-slim-bookworm
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# gcc builds the fused CPU decode-attention kernel for the node's own CPU at first start
+# (attention_backend auto; without a compiler the scheduler falls back to torch_native).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 meshlm \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/meshlm --shell /usr/sbin/nologin meshlm
 COPY --from=build /opt/venv /opt/venv

@@ -1,5 +1,7 @@
-"""The torch-native backend's decode over length buckets equals plain per-request attention over
-each request's own cache positions, whatever the mix of lengths; buckets partition the batch."""
+"""Decode attention of every backend equals plain per-request attention over each request's own
+cache positions, whatever the mix of lengths, the GQA grouping, the head dim and the KV dtype:
+the torch-native backend over length buckets, and the CPU backend's fused C kernel reading the
+pool in place. The torch backend's buckets partition the batch."""
 
 from __future__ import annotations
 
@@ -8,10 +10,23 @@ import random
 import pytest
 import torch
 
+from meshlm.scheduler.attention import AttentionBackend, create_backend
+from meshlm.scheduler.attention.cpu import CpuAttnBackend
+from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend, length_buckets
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+def _cpu_backend() -> CpuAttnBackend:
+    try:
+        return CpuAttnBackend(load_decode_kernel())
+    except KernelUnavailable as e:  # pragma: no cover - the CI machine has gcc
+        pytest.skip(f"no C compiler: {e}")
+
+
+BACKENDS = {"torch_native": TorchNativeAttnBackend, "cpu": _cpu_backend}
 
 
 @pytest.mark.parametrize("lens", [[5, 3, 9], [700, 5, 300, 40, 1200, 90, 41, 650], [1] * 4 + [2000]])
@@ -23,20 +38,19 @@ def test_buckets_partition_rows_and_bound_padding(lens: list[int]) -> None:
         assert hi <= max(lo * 1.25, lo + 64)
 
 
-@pytest.mark.parametrize("lens", [[7, 130, 33, 900, 64, 480, 129], [50, 52, 51]])
-def test_bucketed_decode_equals_per_request_attention(lens: list[int]) -> None:
+def _decode_case(lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, backend: AttentionBackend):
     torch.manual_seed(0)
     rng = random.Random(0)
-    heads, kv_heads, dim, size = 6, 2, 16, 4096
-    pool = MHATokenToKVPool(size, 1, torch.float32, kv_heads, dim, 1)
+    size = sum(lens) + 512
+    pool = MHATokenToKVPool(size, 1, dtype, kv_heads, dim, 1)
     rows = ReqToTokenPool(len(lens), max(lens) + 1)
     slots = rng.sample(range(1, size + 1), sum(lens))  # scattered, as after many allocations
     start = 0
     for i, n in enumerate(lens):
         rows.req_to_token[i + 1, :n] = torch.tensor(slots[start : start + n])
         start += n
-    pool.k_buffer[0].copy_(torch.randn_like(pool.k_buffer[0]))
-    pool.v_buffer[0].copy_(torch.randn_like(pool.v_buffer[0]))
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape))
     b = len(lens)
     new_loc = torch.tensor([int(rows.req_to_token[i + 1, n - 1]) for i, n in enumerate(lens)])
     fb = ForwardBatch(
@@ -44,15 +58,68 @@ def test_bucketed_decode_equals_per_request_attention(lens: list[int]) -> None:
         positions=torch.tensor(lens) - 1, seq_lens=torch.tensor(lens), req_pool_indices=torch.arange(1, b + 1),
         out_cache_loc=new_loc, seq_lens_cpu=list(lens), req_to_token_pool=rows, token_to_kv_pool=pool,
     )
-    backend = TorchNativeAttnBackend()
     backend.init_forward_metadata(fb)
     layer = RadixAttention(heads, dim, dim**-0.5, kv_heads, 0)
-    q, k, v = torch.randn(b, heads, dim), torch.randn(b, kv_heads, dim), torch.randn(b, kv_heads, dim)
+    q = torch.randn(b, heads, dim, dtype=dtype)
+    k, v = torch.randn(b, kv_heads, dim, dtype=dtype), torch.randn(b, kv_heads, dim, dtype=dtype)
     out = backend.forward(q, k, v, layer, fb)
+    assert out.dtype == dtype and out.shape == q.shape
     for i, n in enumerate(lens):
         idx = rows.req_to_token[i + 1, :n]
-        keys = pool.k_buffer[0][idx].repeat_interleave(heads // kv_heads, dim=1)  # [n, H, D]
-        vals = pool.v_buffer[0][idx].repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[i], keys) * dim**-0.5
+        keys = pool.k_buffer[0][idx].float().repeat_interleave(heads // kv_heads, dim=1)  # [n, H, D]
+        vals = pool.v_buffer[0][idx].float().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), keys) * dim**-0.5
         ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
-        assert torch.allclose(out[i], ref, atol=1e-5), i
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out[i].float(), ref, atol=tol), (i, (out[i].float() - ref).abs().max())
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("lens", [[7, 130, 33, 900, 64, 480, 129], [50, 52, 51], [1]])
+def test_decode_equals_per_request_attention(backend: str, lens: list[int]) -> None:
+    _decode_case(lens, 6, 2, 16, torch.float32, BACKENDS[backend]())
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (4, 1, 80), (2, 2, 8), (64, 32, 160)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernel_shapes_and_dtypes(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    _decode_case([3, 257, 40, 1], heads, kv_heads, dim, dtype, _cpu_backend())
+
+
+def test_cpu_kernel_rejects_unsupported_head_layout() -> None:
+    kernel = _cpu_backend().kernel
+    table = torch.zeros(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="unsupported heads/dim"):
+        kernel(torch.randn(1, 6, 8), torch.zeros(4, 4, 8), torch.zeros(4, 4, 8), table,
+               torch.tensor([1]), torch.tensor([1]), 1.0)
+
+
+def test_loading_the_kernel_keeps_denormals() -> None:
+    """A -ffast-math shared library can switch on flush-to-zero for the whole process at load
+    time; the two-step build must not, or torch's own arithmetic changes under the server."""
+    _cpu_backend()
+    tiny = torch.tensor([1e-39])
+    assert (tiny * 1.0).item() != 0.0
+
+
+def test_create_backend_by_name_and_device() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(create_backend("torch_native", cpu), TorchNativeAttnBackend)
+    assert isinstance(create_backend("auto", torch.device("cuda")), TorchNativeAttnBackend)
+    assert isinstance(create_backend("cpu", cpu), CpuAttnBackend)
+    with pytest.raises(ValueError, match="needs device cpu"):
+        create_backend("cpu", torch.device("cuda"))
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        create_backend("flashinfer", cpu)
+
+
+def test_auto_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    load_decode_kernel.cache_clear()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
+    try:
+        assert isinstance(create_backend("auto", torch.device("cpu")), TorchNativeAttnBackend)
+        with pytest.raises(ValueError, match="attention_backend 'cpu' is unavailable"):
+            create_backend("cpu", torch.device("cpu"))
+    finally:
+        load_decode_kernel.cache_clear()

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 POLICIES = ("fcfs", "lpm")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")  # meshlm.scheduler.attention.BACKENDS
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     stream_interval: int = 1
     max_queued_requests: Optional[int] = None
-    attention_backend: str = "torch_native"
+    attention_backend: str = "auto"
     random_seed: Optional[int] = None
     tp_size: int = 1
     disaggregation_mode: str = "null"  # null = unified; prefill / decode = PD roles
@@ -64,6 +65,10 @@ class SchedulerConfig:
             self.disaggregation_mode == "null" or self.tp_size == 1,
             f"disaggregation_mode {self.disaggregation_mode!r} needs tp_size 1 (KV handover of TP shards "
             f"is not implemented), got tp_size {self.tp_size}",
+        )
+        need(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
         if self.max_total_tokens is not None:
             need(self.max_total_tokens >= 16, f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
@@ -95,7 +100,10 @@ class SchedulerConfig:
             "disable_radix_cache": "do not reuse KV of shared prefixes",
             "stream_interval": "emit streamed outputs every N tokens",
             "max_queued_requests": "reject new requests when this many wait (RESOURCE_EXHAUSTED)",
-            "attention_backend": "attention implementation: torch_native",
+            "attention_backend": (
+                "attention implementation: auto (CPU: the fused C decode kernel when a C compiler "
+                "can build it, else torch_native; CUDA: torch_native) | torch_native | cpu"
+            ),
             "random_seed": "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)",
             "tp_size": "tensor-parallel size (ranks in this scheduler's pod)",
             "disaggregation_mode": (

@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from meshlm.scheduler.attention.base import AttentionBackend
+from meshlm.scheduler.config import ATTENTION_BACKENDS
 
 __all__ = ["AttentionBackend", "create_backend", "BACKENDS"]
 
-BACKENDS = ("torch_native",)
+log = logging.getLogger(__name__)
+
+# auto: on CPU the fused C decode kernel when it builds here (else torch_native); on CUDA
+# torch_native. cpu: that kernel or a start-up error saying why it is unavailable.
+BACKENDS = ATTENTION_BACKENDS
 
 
-def create_backend(name: str) -> AttentionBackend:
-    """Instantiate a backend by name; raise ValueError naming the allowed ones."""
-    if name == "torch_native":
-        from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Instantiate a backend by name for `device`; raise ValueError naming the allowed ones."""
+    from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
 
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "torch_native" or (name == "auto" and device.type != "cpu"):
         return TorchNativeAttnBackend()
-    raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' needs device cpu, got {device.type}")
+    from meshlm.scheduler.attention.cpu import CpuAttnBackend
+    from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
+
+    try:
+        return CpuAttnBackend(load_decode_kernel())
+    except KernelUnavailable as e:
+        if name == "cpu":
+            raise ValueError(f"attention_backend 'cpu' is unavailable: {e}") from e
+        log.warning("CPU decode-attention kernel unavailable (%s); using torch_native", e)
+        return TorchNativeAttnBackend()

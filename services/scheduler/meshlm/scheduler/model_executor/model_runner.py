@@ -62,7 +62,7 @@ class ModelRunner:
             torch.manual_seed(config.random_seed)
         self.load_model()
         self.init_memory_pool()
-        self.attn_backend = create_backend(config.attention_backend)
+        self.attn_backend = create_backend(config.attention_backend, self.device)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()

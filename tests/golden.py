@@ -3,11 +3,15 @@ end-to-end tests share them; the fixtures live in tests/conftest.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
 GOLDEN_NEW_TOKENS = 32
+# Where the HF references and the tiny-model engines run: cpu (default) or cuda
+# (bench/gpu_check.sh). SmolLM2 engines keep the engine's own default device (auto).
+TEST_DEVICE = os.environ.get("MESHLM_TEST_DEVICE", "cpu")
 
 RAW_PROMPTS = [
     "The quick brown fox",
@@ -29,6 +33,7 @@ class Golden:
     input_ids: list[int]
     output_ids: list[int]  # HF greedy continuation (up to and including EOS, if reached)
     logprobs: list[float]  # log_softmax of HF's logits at each generated token
+    margins: list[float] = field(default_factory=list)  # HF's top-1 minus top-2 logit per step
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -39,15 +44,16 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def compute_golden(model, tokenizer) -> list[Golden]:
-    """HF transformers greedy generation in float32, one prompt at a time (no padding)."""
+    """HF transformers greedy generation in the model's dtype, on its device, one prompt at a
+    time (no padding)."""
     prompts = [list(tokenizer(p).input_ids) for p in RAW_PROMPTS]
     prompts += [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
     out: list[Golden] = []
     for ids in prompts:
         with torch.no_grad():
             gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=model.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
                 max_new_tokens=GOLDEN_NEW_TOKENS,
                 do_sample=False,
                 output_logits=True,
@@ -56,5 +62,6 @@ def compute_golden(model, tokenizer) -> list[Golden]:
             )
         new = gen.sequences[0, len(ids):].tolist()
         lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, new)]
-        out.append(Golden(ids, new, lps))
+        top2 = [step[0].float().topk(2).values.tolist() for step in gen.logits]
+        out.append(Golden(ids, new, lps, [a - b for a, b in top2]))
     return out

@@ -11,6 +11,7 @@ from tests.golden import (  # noqa: F401 (re-exported for the engine tests)
     CHAT_PROMPTS,
     GOLDEN_NEW_TOKENS,
     RAW_PROMPTS,
+    TEST_DEVICE,
     Golden,
     chat_ids,
 )

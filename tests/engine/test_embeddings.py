@@ -87,7 +87,8 @@ def test_decoder_encode_is_normalised_last_hidden_state(smollm_engine: Engine, h
         ids = engine.tokenize(text)
         assert res["meta_info"]["prompt_tokens"] == len(ids)
         with torch.no_grad():
-            last = hf_smollm.model(torch.tensor([ids])).last_hidden_state[0, -1].float()
+            batch = torch.tensor([ids], device=hf_smollm.device)
+            last = hf_smollm.model(batch).last_hidden_state[0, -1].float().cpu()
         ours = torch.tensor(res["embedding"])
         assert abs(ours.norm().item() - 1.0) < 1e-5
         assert F.cosine_similarity(ours, F.normalize(last, dim=-1), dim=0).item() >= 0.9999

@@ -334,7 +334,8 @@ def test_rejected_requests_do_not_disturb_others(engine: Engine) -> None:
 def _hf_logprobs(hf_smollm, ids: list[int]) -> torch.Tensor:
     """log_softmax of HF's logits; row j predicts prompt token j + 1."""
     with torch.no_grad():
-        return torch.log_softmax(hf_smollm(torch.tensor([ids])).logits[0].float(), dim=-1)
+        logits = hf_smollm(torch.tensor([ids], device=hf_smollm.device)).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
 def _logprob_request(engine: Engine, ids: list[int], start: int = 0) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Model families and loading paths: tiny random Qwen2 (attention bias, untied head) and Llama
 (untied head, sharded checkpoint) equal HF greedy decoding; SmolLM2 in bfloat16 equals HF's
-bfloat16 generate; a .gguf file works as the model path."""
+bfloat16 generate; a .gguf file works as the model path. The tiny models (engine and HF) run on
+MESHLM_TEST_DEVICE."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from meshlm.scheduler.engine import Engine
 from meshlm.scheduler.model_loader import find_default_gguf
 
-from .conftest import assert_pools_whole
+from .conftest import TEST_DEVICE, assert_pools_whole
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "東京は日本の"]
 NEW_TOKENS = 20
@@ -24,12 +25,13 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     ids = list(ids)
     for _ in range(n):
         with torch.no_grad():
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
     return ids[-n:]
 
 
-def build_tiny(kind: str, out_dir: Path, tokenizer) -> torch.nn.Module:
-    """A 2-layer random model with the SmolLM2 tokenizer, saved as an HF directory."""
+def build_tiny(kind: str, out_dir: Path, tokenizer, **config) -> torch.nn.Module:
+    """A 2-layer random model with the SmolLM2 tokenizer, saved as an HF directory (`config`
+    overrides the shape)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
@@ -37,6 +39,7 @@ def build_tiny(kind: str, out_dir: Path, tokenizer) -> torch.nn.Module:
         num_hidden_layers=2, vocab_size=len(tokenizer), tie_word_embeddings=False,
         max_position_embeddings=512, initializer_range=0.1,
     )
+    common.update(config)
     torch.manual_seed(0)
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
@@ -49,18 +52,18 @@ def build_tiny(kind: str, out_dir: Path, tokenizer) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(**common))
         model.save_pretrained(out_dir, max_shard_size="200KB")
     tokenizer.save_pretrained(out_dir)
-    return model.eval()
+    return model.to(TEST_DEVICE).eval()
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_tiny_random_model_matches_hf(kind: str, tmp_path: Path, smollm_tokenizer) -> None:
-    model = build_tiny(kind, tmp_path, smollm_tokenizer)
+def test_tiny_random_model_matches_hf(kind: str, tmp_path: Path, tiny_tokenizer) -> None:
+    model = build_tiny(kind, tmp_path, tiny_tokenizer)
     if kind == "llama":
         index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
-    prompts = [list(smollm_tokenizer(p).input_ids) for p in PROMPTS]
+    prompts = [list(tiny_tokenizer(p).input_ids) for p in PROMPTS]
     expected = [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
-    with Engine(model_path=str(tmp_path), max_total_tokens=2048, load_progress=False) as eng:
+    with Engine(model_path=str(tmp_path), device=TEST_DEVICE, max_total_tokens=2048, load_progress=False) as eng:
         ours = eng.scheduler.tp_worker.model_runner.model
         assert ours.lm_head is not ours.model.embed_tokens  # untied head loaded on its own
         sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}

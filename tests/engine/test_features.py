@@ -486,6 +486,7 @@ def test_cancelling_a_consumer_aborts_the_request(engine: Engine) -> None:
     _wait_idle(engine)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected crash
 def test_requests_after_a_loop_crash_fail_at_once(smollm_path: str) -> None:
     """A crashed loop answers nothing: new requests and control calls fail with 500 right away
     instead of waiting forever."""

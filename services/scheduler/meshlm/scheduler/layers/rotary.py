@@ -35,8 +35,11 @@ def _inv_freq(head_dim: int, base: float, scaling: Optional[dict[str, Any]]) -> 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k given absolute positions.
 
-    cos/sin are cached for positions [0, max_position) in float32; a position beyond the cache
-    grows it (requests are validated against the context length before they get here).
+    One instance serves every layer of a model: cos/sin are cached once for positions
+    [0, max_position) in float32 (a per-layer cache would cost layers x max_position x head_dim
+    x 8 bytes: 4 GB for a 32-layer, 128K-context, head-dim-128 model), and a forward looks them
+    up once (cos_sin) for all its layers (apply). A position beyond the cache grows it (requests
+    are validated against the context length before they get here).
     """
 
     def __init__(
@@ -58,15 +61,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of `positions` [T], each [T, 1, D] in `dtype`, for apply()."""
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            self._build(int(positions.max()) * 2)
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
+                self.sin_cache[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(
+        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D] rotated by cos_sin (from cos_sin()), same dtypes."""
+        cos, sin = cos_sin
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k), same dtypes."""
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
-            self._build(int(positions.max()) * 2)
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        return self.apply(q, k, self.cos_sin(positions, q.dtype))
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ from meshlm.scheduler.model_config import ModelConfig
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from meshlm.scheduler.model_loader.weight_utils import default_weight_loader
 
+RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.cos_sin of this forward's positions
+
 # checkpoint name fragment -> (merged parameter fragment, shard id)
 _STACKED = (
     ("q_proj", "qkv_proj", "q"),
@@ -68,14 +70,13 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp, params_dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(d, cfg.context_len, cfg.rope_theta, _rope_scaling(cfg.hf))
         self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: RopeCosSin, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t, d = x.shape[0], self.attn.head_dim
-        q, k = self.rotary_emb(positions, q.view(t, -1, d), k.view(t, -1, d))
+        q, k = RotaryEmbedding.apply(q.view(t, -1, d), k.view(t, -1, d), rope)
         return self.o_proj(self.attn(q, k, v.reshape(t, -1, d), fb))
 
 
@@ -88,13 +89,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, residual: Optional[torch.Tensor]
+        self, rope: RopeCosSin, x: torch.Tensor, fb: ForwardBatch, residual: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, fb)
+        x = self.self_attn(rope, x, fb)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -107,11 +108,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, i, tp, dtype, bias) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # One RoPE table for all layers, looked up once per forward.
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.context_len, cfg.rope_theta, _rope_scaling(cfg.hf))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(positions, x, fb, residual)
+            x, residual = layer(rope, x, fb, residual)
         x, _ = self.norm(x, residual)
         return x
 

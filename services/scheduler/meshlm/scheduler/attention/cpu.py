@@ -45,20 +45,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             fb.seq_lens.to(torch.int64).contiguous(),
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: "RadixAttention",
-        fb: "ForwardBatch",
+    def decode(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"
     ) -> torch.Tensor:
         meta = fb.attn_metadata
         if not isinstance(meta, _FusedDecodeMeta):
-            return super().forward(q, k, v, layer, fb)
-        pool = fb.token_to_kv_pool
-        assert pool is not None and fb.out_cache_loc is not None
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+            return super().decode(q, k_buf, v_buf, layer, fb)
         out = self.kernel(q, k_buf, v_buf, meta.req_to_token, meta.rows, meta.lens, layer.scaling)
         return out.to(q.dtype)

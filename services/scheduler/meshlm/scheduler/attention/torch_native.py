@@ -115,19 +115,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None and fb.out_cache_loc is not None
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        gqa = layer.num_heads != layer.num_kv_heads
         if fb.forward_mode.is_decode():
-            meta = fb.attn_metadata
-            assert isinstance(meta, _DecodeMeta)
-            if len(meta.buckets) == 1:
-                return self._decode_bucket(q, k_buf, v_buf, layer, meta.buckets[0])
-            out = torch.empty_like(q)
-            for bucket in meta.buckets:
-                assert bucket.rows is not None
-                part = self._decode_bucket(q.index_select(0, bucket.rows), k_buf, v_buf, layer, bucket)
-                out.index_copy_(0, bucket.rows, part)
-            return out
-        return self._extend(q, k, v, k_buf, v_buf, layer, fb, gqa)
+            return self.decode(q, k_buf, v_buf, layer, fb)
+        return self._extend(q, k, v, k_buf, v_buf, layer, fb, layer.num_heads != layer.num_kv_heads)
+
+    def decode(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"
+    ) -> torch.Tensor:
+        """Decode attention of q [B, H, D] over the pool buffers (this token's KV already stored)."""
+        meta = fb.attn_metadata
+        assert isinstance(meta, _DecodeMeta)
+        if len(meta.buckets) == 1:
+            return self._decode_bucket(q, k_buf, v_buf, layer, meta.buckets[0])
+        out = torch.empty_like(q)
+        for bucket in meta.buckets:
+            assert bucket.rows is not None
+            part = self._decode_bucket(q.index_select(0, bucket.rows), k_buf, v_buf, layer, bucket)
+            out.index_copy_(0, bucket.rows, part)
+        return out
 
     @staticmethod
     def _decode_bucket(

@@ -94,6 +94,19 @@ def test_cpu_kernel_rejects_unsupported_head_layout() -> None:
                torch.tensor([1]), torch.tensor([1]), 1.0)
 
 
+@pytest.mark.parametrize("row,length,slot", [(5, 1, 1), (1, 9, 1), (1, 2, 99), (1, 2, -1), (1, 0, 1)])
+def test_cpu_kernel_rejects_out_of_range_indices(row: int, length: int, slot: int) -> None:
+    """A bad table row, length or KV slot raises IndexError instead of reading out of bounds."""
+    kernel = _cpu_backend().kernel
+    table = torch.ones(3, 8, dtype=torch.int64)
+    table[1, 1] = slot
+    k = torch.zeros(16, 2, 8)
+    with pytest.raises(IndexError, match="out of range"):
+        kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([row]), torch.tensor([length]), 1.0)
+    ok = kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([1]), torch.tensor([1]), 1.0)
+    assert ok.shape == (1, 4, 8)
+
+
 def test_loading_the_kernel_keeps_denormals() -> None:
     """A -ffast-math shared library can switch on flush-to-zero for the whole process at load
     time; the two-step build must not, or torch's own arithmetic changes under the server."""

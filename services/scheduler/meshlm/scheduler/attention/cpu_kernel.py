@@ -98,8 +98,8 @@ class DecodeKernel:
         lib = ctypes.CDLL(str(path))
         fn = lib.meshlm_decode_attention
         i64, p = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [p, p, p, ctypes.c_int, i64, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_float, p, ctypes.c_int]
+        fn.argtypes = [p, p, p, ctypes.c_int, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_float, p, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -115,7 +115,8 @@ class DecodeKernel:
     ) -> torch.Tensor:
         """Attention of q [B, H, D] (one token per request) over the first lens[b] slots of
         req_to_token[rows[b]], reading k_buf/v_buf [slots, Hkv, D] in place. Returns [B, H, D]
-        float32. The caller guarantees every slot it names is inside the buffers."""
+        float32. A row, length or slot out of range raises IndexError (checked in C before any
+        KV is read)."""
         b, h, d = q.shape
         hkv = k_buf.shape[1]
         for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
@@ -123,7 +124,7 @@ class DecodeKernel:
                 raise ValueError(f"{name} must be a CPU [slots, Hkv, D] buffer of {SUPPORTED_KV_DTYPES}")
         if k_buf.stride(0) != v_buf.stride(0) or k_buf.dtype != v_buf.dtype or k_buf.shape[2] != d:
             raise ValueError("k_buf and v_buf must share shape, strides and dtype")
-        if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
+        if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1 or req_to_token.device.type != "cpu":
             raise ValueError("req_to_token must be an int64 table with contiguous rows")
         q32 = q.to(torch.float32).contiguous()
         rows = rows.to(torch.int64).contiguous()
@@ -131,12 +132,17 @@ class DecodeKernel:
         out = torch.empty((b, h, d), dtype=torch.float32)
         rc = self._fn(
             q32.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), _KV_DTYPES[k_buf.dtype],
-            k_buf.stride(0), req_to_token.data_ptr(), req_to_token.stride(0),
-            rows.data_ptr(), lens.data_ptr(), b, h, hkv, d, scale, out.data_ptr(),
+            k_buf.stride(0), k_buf.shape[0], req_to_token.data_ptr(), req_to_token.shape[0],
+            req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), b, h, hkv, d, scale, out.data_ptr(),
             torch.get_num_threads(),
         )
         if rc == 1:
             raise ValueError(f"decode kernel: unsupported heads/dim (H={h}, Hkv={hkv}, D={d})")
+        if rc == 3:
+            raise IndexError(
+                f"decode kernel: a request's row, length or KV slot is out of range (rows "
+                f"{req_to_token.shape[0]} x {req_to_token.stride(0)}, KV slots {k_buf.shape[0]})"
+            )
         if rc != 0:
             raise MemoryError("decode kernel: scratch memory could not be allocated")
         return out

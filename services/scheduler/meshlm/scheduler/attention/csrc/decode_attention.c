@@ -100,12 +100,27 @@ static inline __attribute__((always_inline)) void one_request(
     }
 }
 
-/* Returns 0 on success, 1 on bad shapes, 2 when scratch memory could not be allocated. */
+/* 1 when a row, length or slot of request b lies outside the table or the pool. Reading the
+ * table row first costs 8 bytes per token against the 2 * Hkv * D elements of KV it guards. */
+static int bad_request(const int64_t *table, int64_t table_rows, int64_t table_stride,
+                       int64_t num_slots, int64_t row, int64_t len) {
+    if (row < 0 || row >= table_rows || len < 1 || len > table_stride) return 1;
+    const int64_t *slots = table + row * table_stride;
+    for (int64_t t = 0; t < len; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+    return 0;
+}
+
+/* Returns 0 on success, 1 on bad shapes, 2 when scratch memory could not be allocated, 3 when
+ * a request names a table row, length or KV slot out of range (nothing is read out of bounds). */
 int meshlm_decode_attention(const float *q, const void *k, const void *v, int kv_dtype,
-                            int64_t tok_stride, const int64_t *table, int64_t table_stride,
-                            const int64_t *rows, const int64_t *lens, int64_t B, int H, int Hkv,
-                            int D, float scale, float *out, int num_threads) {
+                            int64_t tok_stride, int64_t num_slots, const int64_t *table,
+                            int64_t table_rows, int64_t table_stride, const int64_t *rows,
+                            const int64_t *lens, int64_t B, int H, int Hkv, int D, float scale,
+                            float *out, int num_threads) {
     if (H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0) return 1;
+    for (int64_t b = 0; b < B; b++)
+        if (bad_request(table, table_rows, table_stride, num_slots, rows[b], lens[b])) return 3;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     int failed = 0;

@@ -13,6 +13,15 @@ GOLDEN_NEW_TOKENS = 32
 # (bench/gpu_check.sh). SmolLM2 engines keep the engine's own default device (auto).
 TEST_DEVICE = os.environ.get("MESHLM_TEST_DEVICE", "cpu")
 
+# Engine overrides under which greedy outputs must stay token-identical (pytest ids alongside).
+SCHEDULING_CONFIGS = {
+    "no-radix": {"disable_radix_cache": True},
+    "chunk16": {"chunked_prefill_size": 16},
+    "page16": {"page_size": 16},
+    "page16-chunk32": {"page_size": 16, "chunked_prefill_size": 32},
+    "lpm": {"schedule_policy": "lpm"},
+}
+
 RAW_PROMPTS = [
     "The quick brown fox",
     "def fibonacci(n):",

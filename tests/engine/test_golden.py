@@ -7,6 +7,8 @@ import pytest
 
 from meshlm.scheduler.engine import Engine
 
+from tests.golden import SCHEDULING_CONFIGS
+
 from .conftest import GOLDEN_NEW_TOKENS, assert_pools_whole
 
 GREEDY = {"temperature": 0, "max_new_tokens": GOLDEN_NEW_TOKENS}
@@ -52,17 +54,7 @@ def test_32_concurrent_requests(engine: Engine, golden) -> None:
     assert_pools_whole(engine)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"disable_radix_cache": True},
-        {"chunked_prefill_size": 16},
-        {"page_size": 16},
-        {"page_size": 16, "chunked_prefill_size": 32},
-        {"schedule_policy": "lpm"},
-    ],
-    ids=["no-radix", "chunk16", "page16", "page16-chunk32", "lpm"],
-)
+@pytest.mark.parametrize("overrides", list(SCHEDULING_CONFIGS.values()), ids=list(SCHEDULING_CONFIGS))
 def test_same_tokens_under_config(smollm_path: str, golden, overrides: dict) -> None:
     with Engine(model_path=smollm_path, max_total_tokens=8192, load_progress=False, **overrides) as eng:
         results = run_all(eng, golden)

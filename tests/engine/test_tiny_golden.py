@@ -19,7 +19,7 @@ import torch
 
 from meshlm.scheduler.engine import Engine
 
-from tests.golden import compute_golden
+from tests.golden import SCHEDULING_CONFIGS, compute_golden
 
 from .conftest import GOLDEN_NEW_TOKENS, TEST_DEVICE, Golden, assert_pools_whole
 from .test_models import build_tiny
@@ -105,18 +105,10 @@ def test_one_at_a_time_and_32_concurrent(engine: Engine, tiny: Tiny) -> None:
     assert_pools_whole(engine)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"disable_radix_cache": True},
-        {"chunked_prefill_size": 16},
-        {"page_size": 16},
-        {"page_size": 16, "chunked_prefill_size": 32},
-        {"schedule_policy": "lpm"},
-        {"max_total_tokens": 320, "schedule_conservativeness": 0.05},
-    ],
-    ids=["no-radix", "chunk16", "page16", "page16-chunk32", "lpm", "retract"],
-)
+TINY_CONFIGS = {**SCHEDULING_CONFIGS, "retract": {"max_total_tokens": 320, "schedule_conservativeness": 0.05}}
+
+
+@pytest.mark.parametrize("overrides", list(TINY_CONFIGS.values()), ids=list(TINY_CONFIGS))
 def test_same_tokens_under_config(tiny: Tiny, overrides: dict) -> None:
     # "retract": 16 requests need ~1100 slots; admission reserves almost nothing for their
     # outputs, so decoding in a 320-slot pool runs out and must retract and recompute.

@@ -154,14 +154,6 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _sync(device) -> None:
     """Wait for queued GPU work, so wall time covers it (no-op on CPU)."""
     import torch
@@ -248,10 +240,11 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from meshlm.scheduler.model_executor.model_runner import resolve_device
     from meshlm.scheduler.model_loader import resolve_model_path
 
     dtype = getattr(torch, spec["dtype"])
-    device = _device(spec.get("device", "auto"))
+    device = resolve_device(spec.get("device", "auto"))
     path = str(resolve_model_path(spec["model_path"]))
     t_load = time.perf_counter()
     try:
@@ -357,13 +350,14 @@ def main() -> None:
     import torch
 
     from meshlm.scheduler.model_config import ModelConfig
+    from meshlm.scheduler.model_executor.model_runner import resolve_device
     from meshlm.scheduler.model_loader import resolve_model_path
 
     path = resolve_model_path(args.model_path)
     vocab = ModelConfig.from_path(path, None).vocab_size
     workloads = make_workloads(args, vocab)
     load1 = os.getloadavg()[0]
-    device = _device(args.device)
+    device = resolve_device(args.device)
     if device.type == "cuda":
         print(f"device cuda: {torch.cuda.get_device_name(device)}  (CUDA {torch.version.cuda})")
     print(f"model {path}  dtype {args.dtype}  torch {torch.__version__}  "

@@ -32,6 +32,9 @@ def _inv_freq(head_dim: int, base: float, scaling: Optional[dict[str, Any]]) -> 
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # cos, sin of one forward's positions, [T, 1, D] each
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k given absolute positions.
 
@@ -61,7 +64,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCosSin:
         """cos, sin of `positions` [T], each [T, 1, D] in `dtype`, for apply()."""
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build(int(positions.max()) * 2)
@@ -69,18 +72,10 @@ class RotaryEmbedding(nn.Module):
                 self.sin_cache[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
-    def apply(
-        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: RopeCosSin) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] rotated by cos_sin (from cos_sin()), same dtypes."""
         cos, sin = cos_sin
         return _apply(q, cos, sin), _apply(k, cos, sin)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k), same dtypes."""
-        return self.apply(q, k, self.cos_sin(positions, q.dtype))
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

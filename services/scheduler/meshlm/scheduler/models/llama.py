@@ -22,13 +22,11 @@ from meshlm.scheduler.layers.linear import (
 from meshlm.scheduler.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from meshlm.scheduler.layers.pooler import LastTokenPooler
 from meshlm.scheduler.layers.radix_attention import RadixAttention
-from meshlm.scheduler.layers.rotary import RotaryEmbedding
+from meshlm.scheduler.layers.rotary import RopeCosSin, RotaryEmbedding
 from meshlm.scheduler.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from meshlm.scheduler.model_config import ModelConfig
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from meshlm.scheduler.model_loader.weight_utils import default_weight_loader
-
-RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.cos_sin of this forward's positions
 
 # checkpoint name fragment -> (merged parameter fragment, shard id)
 _STACKED = (

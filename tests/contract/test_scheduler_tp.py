@@ -95,7 +95,7 @@ def _ranks(proc: subprocess.Popen) -> set[int]:
 
 
 def test_tp2_service_serves_and_exits_cleanly_on_sigterm(tiny_llama: str, detok: RecordingDetokenizer) -> None:
-    with Engine(model_path=tiny_llama, max_total_tokens=3000, load_progress=False) as eng:
+    with Engine(dtype="float32", model_path=tiny_llama, max_total_tokens=3000, load_progress=False) as eng:
         expected = eng.generate_sync(input_ids=PROMPT, sampling_params={
             "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})["output_ids"]
     proc, address = _start(tiny_llama, detok)

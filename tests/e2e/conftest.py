@@ -14,7 +14,7 @@ from meshlm.launch.launcher import LaunchPlan, System, free_port, launch
 
 from .otlp_receiver import OtlpReceiver
 
-ENGINE_ARGS = ("--max-total-tokens", "12000", "--max-running-requests", "96")
+ENGINE_ARGS = ("--dtype", "float32", "--max-total-tokens", "12000", "--max-running-requests", "96")
 
 
 @pytest.fixture(scope="session")

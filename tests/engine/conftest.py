@@ -30,6 +30,6 @@ def assert_pools_whole(engine: Engine) -> None:
 @pytest.fixture(scope="session")
 def smollm_engine(smollm_path: str):
     """One float32 SmolLM2 engine with the default scheduling flags, shared by feature tests."""
-    eng = Engine(model_path=smollm_path, max_total_tokens=16384, load_progress=False)
+    eng = Engine(dtype="float32", model_path=smollm_path, max_total_tokens=16384, load_progress=False)
     yield eng
     eng.shutdown()

@@ -19,7 +19,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": GOLDEN_NEW_TOKENS}
 
 
 def make_pair(path: str, **overrides) -> tuple[Engine, Engine]:
-    common = dict(model_path=path, max_total_tokens=8192, load_progress=False, **overrides)
+    common = dict(model_path=path, dtype="float32", max_total_tokens=8192, load_progress=False, **overrides)
     decode = Engine(disaggregation_mode="decode", **common)
     prefill = Engine(disaggregation_mode="prefill", decode_engine=decode, **common)
     return prefill, decode
@@ -130,4 +130,4 @@ def test_bad_handover_is_rejected_naming_the_field(pair, golden) -> None:
 
 def test_prefill_engine_needs_a_decode_engine(smollm_path: str) -> None:
     with pytest.raises(ValueError, match="decode_engine"):
-        Engine(model_path=smollm_path, disaggregation_mode="prefill", load_progress=False)
+        Engine(dtype="float32", model_path=smollm_path, disaggregation_mode="prefill", load_progress=False)

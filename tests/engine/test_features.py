@@ -65,7 +65,7 @@ def engine(smollm_engine: Engine):
 @pytest.fixture(scope="module")
 def small_engine(smollm_path: str):
     """A 128-token context (cheap length checks) and 16-token prefill chunks."""
-    eng = Engine(
+    eng = Engine(dtype="float32", 
         model_path=smollm_path, context_length=128, chunked_prefill_size=16, max_total_tokens=2048,
         load_progress=False,
     )
@@ -135,7 +135,7 @@ def test_prefix_reuse_in_waves_with_pages_and_lpm(smollm_path: str, engine: Engi
     shared = common_prefix_len(prompts)
     others = [engine.tokenize("The quick brown fox"), engine.tokenize("def fibonacci(n):")]
     other_out = [engine.generate_sync(input_ids=o, sampling_params=greedy(12))["output_ids"] for o in others]
-    with Engine(
+    with Engine(dtype="float32", 
         model_path=smollm_path, page_size=16, schedule_policy="lpm", chunked_prefill_size=64,
         max_total_tokens=4096, load_progress=False,
     ) as eng:
@@ -490,7 +490,7 @@ def test_cancelling_a_consumer_aborts_the_request(engine: Engine) -> None:
 def test_requests_after_a_loop_crash_fail_at_once(smollm_path: str) -> None:
     """A crashed loop answers nothing: new requests and control calls fail with 500 right away
     instead of waiting forever."""
-    eng = Engine(model_path=smollm_path, max_total_tokens=1024, load_progress=False)
+    eng = Engine(dtype="float32", model_path=smollm_path, max_total_tokens=1024, load_progress=False)
     try:
         def boom() -> None:
             raise RuntimeError("injected failure")

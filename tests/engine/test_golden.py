@@ -26,7 +26,7 @@ def run_all(engine: Engine, golden, at_once: bool = True, logprobs: bool = False
 
 @pytest.fixture(scope="module")
 def engine(smollm_path: str):
-    eng = Engine(model_path=smollm_path, max_total_tokens=16384, load_progress=False)
+    eng = Engine(dtype="float32", model_path=smollm_path, max_total_tokens=16384, load_progress=False)
     yield eng
     eng.shutdown()
 
@@ -56,7 +56,7 @@ def test_32_concurrent_requests(engine: Engine, golden) -> None:
 
 @pytest.mark.parametrize("overrides", list(SCHEDULING_CONFIGS.values()), ids=list(SCHEDULING_CONFIGS))
 def test_same_tokens_under_config(smollm_path: str, golden, overrides: dict) -> None:
-    with Engine(model_path=smollm_path, max_total_tokens=8192, load_progress=False, **overrides) as eng:
+    with Engine(dtype="float32", model_path=smollm_path, max_total_tokens=8192, load_progress=False, **overrides) as eng:
         results = run_all(eng, golden)
         assert [r["output_ids"] for r in results] == [g.output_ids for g in golden]
         assert_pools_whole(eng)
@@ -67,7 +67,7 @@ def test_small_pool_forces_retraction(smollm_path: str, golden) -> None:
     # conservativeness, admission reserves almost nothing for future outputs, so decoding in a
     # 320-slot pool runs out and must retract (and later recompute) requests.
     many = (golden * 2)[:16]
-    with Engine(
+    with Engine(dtype="float32", 
         model_path=smollm_path, max_total_tokens=320, schedule_conservativeness=0.05, load_progress=False
     ) as eng:
         results = run_all(eng, many)

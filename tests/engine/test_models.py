@@ -63,7 +63,7 @@ def test_tiny_random_model_matches_hf(kind: str, tmp_path: Path, tiny_tokenizer)
         assert len(set(index["weight_map"].values())) > 1
     prompts = [list(tiny_tokenizer(p).input_ids) for p in PROMPTS]
     expected = [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
-    with Engine(model_path=str(tmp_path), device=TEST_DEVICE, max_total_tokens=2048, load_progress=False) as eng:
+    with Engine(dtype="float32", model_path=str(tmp_path), device=TEST_DEVICE, max_total_tokens=2048, load_progress=False) as eng:
         ours = eng.scheduler.tp_worker.model_runner.model
         assert ours.lm_head is not ours.model.embed_tokens  # untied head loaded on its own
         sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -99,7 +99,7 @@ def test_gguf_file_as_model_path(smollm_path: str, smollm_engine: Engine) -> Non
     ids = smollm_engine.tokenize("La capitale de la France est")
     sp = {"temperature": 0, "max_new_tokens": 12}
     expected = smollm_engine.generate_sync(input_ids=ids, sampling_params=sp)["output_ids"]
-    with Engine(model_path=str(gguf), max_total_tokens=2048, load_progress=False) as eng:
+    with Engine(dtype="float32", model_path=str(gguf), max_total_tokens=2048, load_progress=False) as eng:
         assert Path(eng.config.model_path) == Path(smollm_path)
         assert eng.generate_sync(input_ids=ids, sampling_params=sp)["output_ids"] == expected
         assert_pools_whole(eng)

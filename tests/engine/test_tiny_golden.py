@@ -24,7 +24,7 @@ from tests.golden import SCHEDULING_CONFIGS, compute_golden
 from .conftest import GOLDEN_NEW_TOKENS, TEST_DEVICE, Golden, assert_pools_whole
 from .test_models import build_tiny
 
-FLAGS = {"device": TEST_DEVICE, "load_progress": False}
+FLAGS = {"device": TEST_DEVICE, "dtype": "float32", "load_progress": False}
 GREEDY = {"temperature": 0, "max_new_tokens": GOLDEN_NEW_TOKENS}
 # We may pick another token only where HF's top-1 and top-2 logits are closer than this. In
 # bfloat16 a logit of 4..8 has a resolution of 1/32: exact ties are common, and on CPU ours and
@@ -142,7 +142,7 @@ def test_prefill_decode_handover_matches_hf(tiny: Tiny) -> None:
 def test_bfloat16_matches_hf_bfloat16(tiny: Tiny, tmp_path: Path) -> None:
     hf = build_tiny(tiny.kind, tmp_path, tiny.tokenizer, **tiny.config).to(torch.bfloat16)
     golden = compute_golden(hf, tiny.tokenizer)
-    with Engine(model_path=str(tmp_path), dtype="bfloat16", max_total_tokens=8192, **FLAGS) as eng:
+    with Engine(model_path=str(tmp_path), max_total_tokens=8192, **{**FLAGS, "dtype": "bfloat16"}) as eng:
         runner = eng.scheduler.tp_worker.model_runner
         assert next(runner.model.parameters()).dtype is torch.bfloat16
         res = eng.generate_batch_sync(requests(golden, logprobs=True))

@@ -21,7 +21,7 @@ class SchedulerConfig:
 
     model_path: Optional[str] = None  # HF dir or .gguf; None = the packaged SmolLM2-135M-Instruct
     tokenizer_path: Optional[str] = None  # defaults to model_path
-    dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's dtype on CUDA
+    dtype: str = "auto"  # auto = bfloat16 on a CPU with native bf16, else float32; CUDA: the checkpoint's
     device: str = "auto"  # auto = cuda if available else cpu
     context_length: Optional[int] = None
     page_size: int = 1
@@ -85,7 +85,10 @@ class SchedulerConfig:
         helps = {
             "model_path": "HF-format model directory or .gguf file (default: packaged SmolLM2-135M-Instruct)",
             "tokenizer_path": "tokenizer directory (default: the model's)",
-            "dtype": "auto | float32 | bfloat16 | float16",
+            "dtype": (
+                "auto | float32 | bfloat16 | float16; auto = bfloat16 on a CPU with native bf16 "
+                "(avx512_bf16 or amx_bf16), float32 on other CPUs, the checkpoint's dtype on CUDA"
+            ),
             "device": "auto | cpu | cuda",
             "context_length": "override the model's context length",
             "page_size": "tokens per KV page",

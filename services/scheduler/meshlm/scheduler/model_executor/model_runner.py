@@ -40,13 +40,48 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (fast and exact there); the checkpoint's dtype on CUDA."""
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 math
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo is unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_native_bf16(flags: Optional[frozenset[str]] = None) -> bool:
+    """True on CPUs that multiply bf16 natively (AVX512-BF16 or AMX): there a bf16 GEMM runs
+    several times faster than fp32. Elsewhere bf16 is emulated and slower than fp32."""
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in NATIVE_BF16_CPU_FLAGS)
+
+
+def resolve_dtype(
+    name: str, model: ModelConfig, device: torch.device, flags: Optional[frozenset[str]] = None
+) -> torch.dtype:
+    """auto: on CPU bfloat16 where the CPU has native bf16 math (avx512_bf16 or amx_bf16),
+    float32 elsewhere; on CUDA the checkpoint's dtype (bfloat16 when it names none)."""
     if name != "auto":
         return parse_dtype(name)
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16(flags) else torch.float32
     return parse_dtype(str(model.hf.get("torch_dtype") or model.hf.get("dtype") or "bfloat16"))
+
+
+def _dtype_reason(name: str, dtype: torch.dtype, device: torch.device) -> str:
+    if name != "auto":
+        return f"--dtype {name}"
+    if device.type != "cpu":
+        return "--dtype auto: the checkpoint's dtype"
+    if dtype == torch.bfloat16:
+        return "--dtype auto: this CPU has native bf16 (avx512_bf16/amx_bf16)"
+    return "--dtype auto: this CPU has no native bf16 (avx512_bf16/amx_bf16), so float32"
 
 
 class ModelRunner:
@@ -58,6 +93,8 @@ class ModelRunner:
         if self.device.type == "cuda" and tp.size > 1:
             self.device = torch.device("cuda", tp.rank)  # one pod per TP group: rank r owns GPU r
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."),
+                    _dtype_reason(config.dtype, self.dtype, self.device))
         if config.random_seed is not None:
             torch.manual_seed(config.random_seed)
         self.load_model()

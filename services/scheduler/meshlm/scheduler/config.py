@@ -10,6 +10,7 @@ from typing import Any, Optional
 POLICIES = ("fcfs", "lpm")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")  # meshlm.scheduler.attention.BACKENDS
+FUSED_OPS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class SchedulerConfig:
     stream_interval: int = 1
     max_queued_requests: Optional[int] = None
     attention_backend: str = "auto"
+    fused_ops: str = "auto"  # auto = C kernels for RMSNorm / RoPE / SiLU·mul on CPU; torch = eager
     random_seed: Optional[int] = None
     tp_size: int = 1
     disaggregation_mode: str = "null"  # null = unified; prefill / decode = PD roles
@@ -70,6 +72,7 @@ class SchedulerConfig:
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
+        need(self.fused_ops in FUSED_OPS, f"fused_ops must be one of {FUSED_OPS}, got {self.fused_ops!r}")
         if self.max_total_tokens is not None:
             need(self.max_total_tokens >= 16, f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.max_running_requests is not None:
@@ -106,6 +109,10 @@ class SchedulerConfig:
             "attention_backend": (
                 "attention implementation: auto (CPU: the fused C decode kernel when a C compiler "
                 "can build it, else torch_native; CUDA: torch_native) | torch_native | cpu"
+            ),
+            "fused_ops": (
+                "decoder-layer elementwise ops: auto (CPU: fused C kernels for RMSNorm + residual, "
+                "RoPE and SiLU*mul when a C compiler can build them, else eager torch) | torch"
             ),
             "random_seed": "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)",
             "tp_size": "tensor-parallel size (ranks in this scheduler's pod)",

@@ -1,101 +1,32 @@
-"""Build, load and call the fused CPU decode-attention kernel (csrc/decode_attention.c).
+"""Load and call the fused CPU decode-attention kernel (csrc/decode_attention.c).
 
-The C source is compiled at first use with the system C compiler (`$CC`, else `cc`) for the CPU
-it runs on (-march=native), into `kernels/` of the meshlm cache ($MESHLM_CACHE, else
-~/.cache/meshlm; the temp folder when that is not writable). The library's name hashes
-the source, the flags and the CPU's model and flags, so a changed source, compiler flag or machine
-never loads a stale build; processes that build at once each write a private file and rename it
-into place (atomic), so no lock is needed.
-
-The build is two steps on purpose: -ffast-math (vectorised expf and reductions) is a compile
-flag only. Linking a shared library with -ffast-math makes GCC add crtfastmath.o, which turns on
-flush-to-zero for the whole process at load time and would change torch's own arithmetic.
+The C source is built for this CPU at first use (meshlm.scheduler.kernels.build: cached by
+source, compiler, flags and CPU; a two-step build so -ffast-math never turns on flush-to-zero
+for the process).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from meshlm.scheduler.model_loader import default_cache_root
+from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 
-log = logging.getLogger(__name__)
+__all__ = ["DecodeKernel", "KernelUnavailable", "SUPPORTED_KV_DTYPES", "load_decode_kernel"]
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SUPPORTED_KV_DTYPES = tuple(_KV_DTYPES)
-# Tried in order: the fast build, then one without CPU-specific or fast-math flags.
-_FLAG_SETS = (
-    ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"),
-    ("-O2", "-fopenmp", "-fPIC"),
-)
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why."""
-
-
-def _cpu_fingerprint() -> str:
-    parts = [platform.machine()]
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                parts.append(line)
-                if len(parts) >= 3:
-                    break
-    except OSError:
-        parts.append(platform.processor())
-    return "\n".join(parts)
-
-
-def _cache_dir() -> Path:
-    candidates = [default_cache_root() / "kernels", Path(tempfile.gettempdir()) / "meshlm-kernels"]
-    for d in candidates:
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    raise KernelUnavailable(f"no writable kernel cache folder among {[str(c) for c in candidates]}")
-
-
-def _compile(cc: str, flags: tuple[str, ...], out: Path) -> None:
-    """Compile SOURCE to the shared library `out` (written under a private name, then renamed)."""
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    obj = tmp + ".o"
-    try:
-        for cmd in (
-            [cc, *flags, "-c", str(SOURCE), "-o", obj],
-            [cc, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],  # no -ffast-math here (see above)
-        ):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-            if proc.returncode != 0:
-                raise KernelUnavailable(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        for p in (tmp, obj):
-            if os.path.exists(p):
-                os.unlink(p)
 
 
 class DecodeKernel:
     """ctypes binding of meshlm_decode_attention (see the C file for the layouts)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.path = Path(lib._name)
         fn = lib.meshlm_decode_attention
         i64, p = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [p, p, p, ctypes.c_int, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int,
@@ -151,21 +82,4 @@ class DecodeKernel:
 @functools.lru_cache(maxsize=1)
 def load_decode_kernel() -> DecodeKernel:
     """The kernel for this machine, built on first use; raises KernelUnavailable with the reason."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelUnavailable("no C compiler found (set CC or install gcc)")
-    source = SOURCE.read_bytes()
-    cache = _cache_dir()
-    errors = []
-    for flags in _FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(),
-                                         _cpu_fingerprint().encode()])).hexdigest()[:16]
-        lib = cache / f"decode_attention-{key}.so"
-        try:
-            if not lib.exists():
-                _compile(cc, flags, lib)
-                log.info("built the CPU decode-attention kernel: %s", lib)
-            return DecodeKernel(lib)
-        except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
-            errors.append(str(e))
-    raise KernelUnavailable("; ".join(errors))
+    return DecodeKernel(load_library(SOURCE))

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from meshlm.scheduler.kernels.cpu_ops import CpuOps
+
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back.
+
+    `cpu_ops` (set by ModelRunner on CPU) runs the add and the norm as one C pass; the residual
+    is then updated in place (callers hand over the residual they got from the previous call).
+    """
+
+    cpu_ops: Optional["CpuOps"] = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -26,6 +35,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        ops = self.cpu_ops
+        if ops is not None and ops.supports(x) and (residual is None or ops.supports(residual)):
+            out = ops.add_rmsnorm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

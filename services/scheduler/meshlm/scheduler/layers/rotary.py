@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.kernels.cpu_ops import CpuOps
 
 
 def _inv_freq(head_dim: int, base: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
@@ -64,18 +67,56 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCosSin:
-        """cos, sin of `positions` [T], each [T, 1, D] in `dtype`, for apply()."""
+    def _ensure(self, positions: torch.Tensor) -> None:
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build(int(positions.max()) * 2)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCosSin:
+        """cos, sin of `positions` [T], each [T, 1, D] in `dtype`, for apply()."""
+        self._ensure(positions)
         return (self.cos_cache[positions].unsqueeze(1).to(dtype),
                 self.sin_cache[positions].unsqueeze(1).to(dtype))
+
+    def batch(self, positions: torch.Tensor, dtype: torch.dtype, ops: Optional["CpuOps"] = None) -> "RopeBatch":
+        """RoPE for one forward's positions, shared by all its layers."""
+        self._ensure(positions)
+        return RopeBatch(self, positions, dtype, ops)
 
     @staticmethod
     def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: RopeCosSin) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] rotated by cos_sin (from cos_sin()), same dtypes."""
         cos, sin = cos_sin
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+class RopeBatch:
+    """RoPE of one forward, applied by every layer to its packed qkv projection.
+
+    With `ops` (CPU) the q and k heads are rotated in place in the qkv rows by one C pass that
+    reads the cos/sin tables by position; otherwise cos/sin are looked up once here and applied
+    with torch ops (which allocate the rotated q and k).
+    """
+
+    def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
+                 ops: Optional["CpuOps"]) -> None:
+        self.emb, self.positions, self.ops = emb, positions, ops
+        self.cos_sin: Optional[RopeCosSin] = None if ops is not None else emb.cos_sin(positions, dtype)
+
+    def rotate_qkv(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (Hq + 2 Hk) * D] -> rotated q [T, Hq, D], rotated k [T, Hk, D], v [T, Hk, D]."""
+        t, d = qkv.shape[0], head_dim
+        q_size, kv_size = num_heads * d, num_kv_heads * d
+        if self.ops is not None and self.ops.supports(qkv):
+            self.ops.rope_neox(qkv, num_heads, num_kv_heads, d, self.positions, self.emb.cos_cache,
+                               self.emb.sin_cache)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        cos_sin = self.cos_sin if self.cos_sin is not None else self.emb.cos_sin(self.positions, qkv.dtype)
+        q, k = RotaryEmbedding.apply(q.view(t, -1, d), k.view(t, -1, d), cos_sin)
+        return q, k, v.reshape(t, -1, d)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

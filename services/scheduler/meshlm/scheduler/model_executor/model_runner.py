@@ -19,6 +19,7 @@ import torch
 from meshlm.scheduler.attention import create_backend
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
+from meshlm.scheduler.kernels.cpu_ops import cpu_ops_or_none
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -98,6 +99,7 @@ class ModelRunner:
         if config.random_seed is not None:
             torch.manual_seed(config.random_seed)
         self.load_model()
+        self.attach_cpu_ops()
         self.init_memory_pool()
         self.attn_backend = create_backend(config.attention_backend, self.device)
 
@@ -115,6 +117,21 @@ class ModelRunner:
             "loaded %s (%s, %s) in %.1fs",
             self.model_config.architecture, self.dtype, self.device, time.perf_counter() - t0,
         )
+
+    def attach_cpu_ops(self) -> None:
+        """On CPU with fused_ops=auto, hand the fused C ops to every layer that takes them
+        (modules with a `cpu_ops` attribute: RMSNorm, SiluAndMul, the RoPE of LlamaModel)."""
+        if self.device.type != "cpu" or self.config.fused_ops != "auto":
+            return
+        ops = cpu_ops_or_none()
+        if ops is None:
+            return
+        n = 0
+        for module in self.model.modules():
+            if hasattr(module, "cpu_ops"):
+                module.cpu_ops = ops
+                n += 1
+        logger.info("fused CPU ops (RMSNorm + residual, RoPE, SiLU*mul) in %d modules", n)
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory_gb is not None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
+from meshlm.scheduler.kernels.cpu_ops import CpuOps
 from meshlm.scheduler.layers.activation import SiluAndMul
 from meshlm.scheduler.layers.layernorm import RMSNorm
 from meshlm.scheduler.layers.linear import (
@@ -22,7 +23,7 @@ from meshlm.scheduler.layers.linear import (
 from meshlm.scheduler.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from meshlm.scheduler.layers.pooler import LastTokenPooler
 from meshlm.scheduler.layers.radix_attention import RadixAttention
-from meshlm.scheduler.layers.rotary import RopeCosSin, RotaryEmbedding
+from meshlm.scheduler.layers.rotary import RopeBatch, RotaryEmbedding
 from meshlm.scheduler.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from meshlm.scheduler.model_config import ModelConfig
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -66,16 +67,12 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, bias=bias, tp=tp, params_dtype=dtype
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp, params_dtype=dtype)
         self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
 
-    def forward(self, rope: RopeCosSin, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t, d = x.shape[0], self.attn.head_dim
-        q, k = RotaryEmbedding.apply(q.view(t, -1, d), k.view(t, -1, d), rope)
-        return self.o_proj(self.attn(q, k, v.reshape(t, -1, d), fb))
+    def forward(self, rope: RopeBatch, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = rope.rotate_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.attn.head_dim)
+        return self.o_proj(self.attn(q, k, v, fb))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, rope: RopeCosSin, x: torch.Tensor, fb: ForwardBatch, residual: Optional[torch.Tensor]
+        self, rope: RopeBatch, x: torch.Tensor, fb: ForwardBatch, residual: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -108,10 +105,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # One RoPE table for all layers, looked up once per forward.
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.context_len, cfg.rope_theta, _rope_scaling(cfg.hf))
+        self.cpu_ops: Optional[CpuOps] = None  # fused RoPE on CPU (set by ModelRunner)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        rope = self.rotary_emb.batch(positions, x.dtype, self.cpu_ops)
         for layer in self.layers:
             x, residual = layer(rope, x, fb, residual)
         x, _ = self.norm(x, residual)

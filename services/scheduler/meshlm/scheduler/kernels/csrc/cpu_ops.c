@@ -1,0 +1,133 @@
+/* Fused elementwise ops of a decoder layer, for CPUs: one pass over memory instead of one
+ * eager torch op (and one temporary) per arithmetic step.
+ *
+ * Every op works on T rows; a row is contiguous, rows are `stride` elements apart.
+ * dtype: 0 = float32, 1 = bfloat16. Arithmetic is float32; bfloat16 results are rounded to
+ * nearest-even once, where the eager torch ops round after every step (so bf16 results can
+ * differ from torch's in the last bit, float32 ones only by summation order).
+ *
+ *   add_rmsnorm  r = x + residual (stored into residual), out = r / sqrt(mean(r^2) + eps) * w
+ *                (without residual: out = norm(x))
+ *   rope_neox    q and k heads of a packed qkv row rotated in place by their position
+ *                (HF "rotate_half" layout: dims i and i + D/2 form a pair)
+ *   silu_mul     out[t, i] = silu(gu[t, i]) * gu[t, I + i] for a merged [gate | up] row of 2I
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PAR_MIN_ELEMS (1 << 16) /* below this many elements a single thread is faster */
+
+static inline float bf2f(uint16_t h) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)h << 16;
+    return x.f;
+}
+
+static inline uint16_t f2bf(float f) { /* round to nearest even; NaN stays NaN */
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* Row `t` of a float32 / bf16 matrix into float32 scratch, and back. */
+static inline void load(const void *base, int dtype, int64_t off, int n, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
+    } else {
+        const uint16_t *p = (const uint16_t *)base + off;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bf2f(p[i]);
+    }
+}
+
+static inline void store(void *base, int dtype, int64_t off, int n, const float *src) {
+    if (dtype == 0) {
+        memcpy((float *)base + off, src, (size_t)n * sizeof(float));
+    } else {
+        uint16_t *p = (uint16_t *)base + off;
+#pragma omp simd
+        for (int i = 0; i < n; i++) p[i] = f2bf(src[i]);
+    }
+}
+
+#define MAX_ROW 32768 /* scratch per row (hidden size or 2 x intermediate size / 2) */
+
+int meshlm_add_rmsnorm(const void *x, void *residual, const void *weight, void *out, int dtype,
+                       int64_t T, int H, int64_t x_stride, int64_t r_stride, int64_t o_stride,
+                       float eps, int has_residual, int num_threads) {
+    if (H <= 0 || H > MAX_ROW) return 1;
+    const int par = T * (int64_t)H >= PAR_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel num_threads(par)
+    {
+        float r[MAX_ROW], w[MAX_ROW], tmp[MAX_ROW];
+        load(weight, dtype, 0, H, w);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            load(x, dtype, t * x_stride, H, r);
+            if (has_residual) {
+                load(residual, dtype, t * r_stride, H, tmp);
+#pragma omp simd
+                for (int i = 0; i < H; i++) r[i] += tmp[i];
+                store(residual, dtype, t * r_stride, H, r);
+                if (dtype == 1) load(residual, dtype, t * r_stride, H, r); /* the stored bf16 value */
+            }
+            float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+            for (int i = 0; i < H; i++) ss += r[i] * r[i];
+            const float inv = 1.f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+            for (int i = 0; i < H; i++) tmp[i] = r[i] * inv * w[i];
+            store(out, dtype, t * o_stride, H, tmp);
+        }
+    }
+    return 0;
+}
+
+/* qkv: T rows of (nq + 2 * nk) heads of D, `stride` elements apart; q heads first, then k.
+ * cos / sin: float32 [max_pos, D] tables (both halves of a row equal); positions [T]. */
+int meshlm_rope_neox(void *qkv, int dtype, int64_t T, int64_t stride, int nq, int nk, int D,
+                     const int64_t *positions, const float *cos_tab, const float *sin_tab,
+                     int64_t max_pos, int num_threads) {
+    if (D <= 0 || D % 2 || D > 1024) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos) return 3;
+    const int half = D / 2, heads = nq + nk;
+    const int par = T * (int64_t)heads * D >= PAR_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for num_threads(par) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_tab + positions[t] * D, *s = sin_tab + positions[t] * D;
+        float row[1024], rot[1024];
+        for (int h = 0; h < heads; h++) {
+            const int64_t off = t * stride + (int64_t)h * D;
+            load(qkv, dtype, off, D, row);
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                rot[i] = row[i] * c[i] - row[i + half] * s[i];
+                rot[i + half] = row[i + half] * c[i + half] + row[i] * s[i + half];
+            }
+            store(qkv, dtype, off, D, rot);
+        }
+    }
+    return 0;
+}
+
+int meshlm_silu_mul(const void *gu, void *out, int dtype, int64_t T, int I, int64_t gu_stride,
+                    int64_t o_stride, int num_threads) {
+    if (I <= 0 || I > MAX_ROW) return 1;
+    const int par = T * (int64_t)I >= PAR_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel num_threads(par)
+    {
+        float g[MAX_ROW], u[MAX_ROW];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            load(gu, dtype, t * gu_stride, I, g);
+            load(gu, dtype, t * gu_stride + I, I, u);
+#pragma omp simd
+            for (int i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            store(out, dtype, t * o_stride, I, g);
+        }
+    }
+    return 0;
+}

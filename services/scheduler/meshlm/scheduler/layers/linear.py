@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
+from meshlm.scheduler.layers.cpu_gemm import PackedLinear, prepack_weight
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -25,7 +26,13 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows sharded over the TP group (no gather)."""
+    """y = x W^T + b with W's output rows sharded over the TP group (no gather).
+
+    After prepack() (CPU, once the weights are loaded) the weight lives in oneDNN's blocked
+    layout (layers/cpu_gemm.py) and the dense parameter is empty.
+    """
+
+    packed: Optional[PackedLinear] = None
 
     def __init__(
         self,
@@ -53,12 +60,21 @@ class ColumnParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[0])
         _copy_into(param.data, loaded.narrow(0, start, n), "column-parallel")
 
+    def prepack(self) -> bool:
+        self.packed = prepack_weight(self, with_bias=True)
+        return self.packed is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard W_shard^T) + b; W's input columns are sharded."""
+    """y = all_reduce(x_shard W_shard^T) + b; W's input columns are sharded. prepack() as in
+    ColumnParallelLinear (the bias stays outside: it is added once, after the reduction)."""
+
+    packed: Optional[PackedLinear] = None
 
     def __init__(
         self,
@@ -86,8 +102,12 @@ class RowParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[1])
         _copy_into(param.data, loaded.narrow(1, start, n), "row-parallel")
 
+    def prepack(self) -> bool:
+        self.packed = prepack_weight(self, with_bias=False)
+        return self.packed is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
+from meshlm.scheduler.layers.cpu_gemm import PackedLinear, try_pack
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -30,9 +31,19 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
         self.tp = tp
         self.logit_scale = logit_scale
+        # The head in oneDNN's layout (CPU, set by prepack); the dense weight stays the
+        # caller's (with tied embeddings it is also the embedding table).
+        self.packed_head: Optional[PackedLinear] = None
+
+    def prepack(self, lm_head_weight: torch.Tensor) -> bool:
+        self.packed_head = try_pack(lm_head_weight, None)
+        return self.packed_head is not None
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        logits = torch.matmul(hidden, weight.t())
+        if self.packed_head is not None:
+            logits = self.packed_head(hidden)
+        else:
+            logits = torch.matmul(hidden, weight.t())
         logits = self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale

@@ -20,6 +20,8 @@ from meshlm.scheduler.attention import create_backend
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.kernels.cpu_ops import cpu_ops_or_none
+from meshlm.scheduler.layers.cpu_gemm import prepack_supported
+from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -123,6 +125,7 @@ class ModelRunner:
         (modules with a `cpu_ops` attribute: RMSNorm, SiluAndMul, the RoPE of LlamaModel)."""
         if self.device.type != "cpu" or self.config.fused_ops != "auto":
             return
+        self.prepack_linears()
         ops = cpu_ops_or_none()
         if ops is None:
             return
@@ -132,6 +135,23 @@ class ModelRunner:
                 module.cpu_ops = ops
                 n += 1
         logger.info("fused CPU ops (RMSNorm + residual, RoPE, SiLU*mul) in %d modules", n)
+
+    def prepack_linears(self) -> None:
+        """Every linear layer's weight (and the LM head) into oneDNN's blocked layout
+        (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear."""
+        if not prepack_supported():
+            logger.warning("oneDNN is not available in this torch build; linears use F.linear")
+            return
+        t0, n = time.perf_counter(), 0
+        for module in self.model.modules():
+            prepack = getattr(module, "prepack", None)
+            if callable(prepack) and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                n += bool(prepack())
+        head = getattr(self.model, "lm_head", None)
+        logits = getattr(self.model, "logits_processor", None)
+        if head is not None and logits is not None:
+            n += bool(logits.prepack(head.weight))
+        logger.info("prepacked %d linear weights for oneDNN in %.2fs", n, time.perf_counter() - t0)
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory_gb is not None:

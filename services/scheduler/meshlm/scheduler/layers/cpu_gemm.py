@@ -1,0 +1,83 @@
+"""Linear layers on CPU through oneDNN with weights reordered once (prepacked).
+
+F.linear on CPU hands every call to MKL's sgemm, which re-packs the weight panel for each call;
+at decode sizes (tens of rows against a few-MB weight) that packing is a large share of the
+work. oneDNN's matmul with the weight reordered at start-up into its blocked layout for this CPU
+(the layout inductor's CPU weight prepacking uses) skips it. The packed weight is an opaque
+oneDNN tensor that replaces the dense one; results equal F.linear up to summation order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PACK_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN picks the blocked layout for a typical row count: decode batches are tens of rows.
+BATCH_HINT = 64
+
+
+def prepack_supported() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[PackedLinear]:
+    """A checked PackedLinear, or None where this torch build or CPU cannot pack `weight`
+    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees."""
+    if not prepack_supported() or weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES:
+        return None
+    try:
+        packed = PackedLinear(weight, bias)
+    except RuntimeError as e:
+        log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, e)
+        return None
+    if not packed.matches(weight, bias):
+        log.warning("oneDNN prepacked linear disagrees with F.linear here; keeping F.linear")
+        return None
+    return packed
+
+
+class PackedLinear:
+    """y = x W^T (+ b) for x [T, in] with W [out, in] held in oneDNN's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int = BATCH_HINT) -> None:
+        if weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES or weight.dim() != 2:
+            raise ValueError(f"PackedLinear needs a 2-D CPU weight of {PACK_DTYPES}")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
+
+    def matches(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+        """Self-check against F.linear on random rows (a build whose oneDNN misbehaves on this
+        CPU is not used). Draws from its own generator: the global RNG, seeded by --random-seed
+        for sampling, is left untouched."""
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(3, self.in_features, generator=gen).to(self.dtype)
+        want = torch.nn.functional.linear(x, weight, bias).float()
+        got = self(x).float()
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))))
+
+
+def prepack_weight(module: torch.nn.Module, with_bias: bool) -> Optional[PackedLinear]:
+    """A PackedLinear of `module.weight` (and its bias if with_bias); the module's dense weight
+    is then dropped (an empty tensor of its dtype stays as the parameter). None when this torch
+    build or CPU cannot (the module keeps its dense weight)."""
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    bias = module.bias if with_bias else None  # type: ignore[assignment]
+    packed = try_pack(weight, bias)
+    if packed is None:
+        return None
+    module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+    return packed

@@ -91,3 +91,22 @@ def test_one_trace_per_request_across_services(system: System, otlp: OtlpReceive
             break
         time.sleep(0.2)
     assert {"meshlm-gateway", "meshlm-tokenizer", "meshlm-scheduler", "meshlm-detokenizer"} <= services, services
+
+
+def _mapped_libraries(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+        return {line.split()[-1].rsplit("/", 1)[-1] for line in f if "/" in line}
+
+
+def test_torch_free_services_load_no_torch_and_no_openmp(system: System) -> None:
+    """The scheduler's torch pool owns the cores: the gateway, tokenizer and detokenizer never
+    load torch or an OpenMP runtime (whose spinning threads would compete with it)."""
+    for component in ("gateway", "tokenizer", "detokenizer"):
+        for child in system.by_component(component):
+            assert child.proc is not None and child.proc.poll() is None
+            libs = _mapped_libraries(child.proc.pid)
+            heavy = {lib for lib in libs if lib.startswith(("libtorch", "libgomp", "libiomp", "libomp"))}
+            assert not heavy, f"{child.name} maps {sorted(heavy)}"
+    scheduler = system.by_component("scheduler")[0]
+    assert scheduler.proc is not None
+    assert any(lib.startswith("libtorch") for lib in _mapped_libraries(scheduler.proc.pid))

@@ -38,7 +38,7 @@ class SchedulerConfig:
     stream_interval: int = 1
     max_queued_requests: Optional[int] = None
     attention_backend: str = "auto"
-    fused_ops: str = "auto"  # auto = C kernels for RMSNorm / RoPE / SiLU·mul on CPU; torch = eager
+    fused_ops: str = "auto"  # auto = CPU: prepacked oneDNN linears + fused C elementwise; torch = eager
     random_seed: Optional[int] = None
     tp_size: int = 1
     disaggregation_mode: str = "null"  # null = unified; prefill / decode = PD roles
@@ -111,8 +111,9 @@ class SchedulerConfig:
                 "can build it, else torch_native; CUDA: torch_native) | torch_native | cpu"
             ),
             "fused_ops": (
-                "decoder-layer elementwise ops: auto (CPU: fused C kernels for RMSNorm + residual, "
-                "RoPE and SiLU*mul when a C compiler can build them, else eager torch) | torch"
+                "CPU model kernels: auto (linear weights prepacked for oneDNN, fused C kernels for "
+                "RMSNorm + residual, RoPE and SiLU*mul when a C compiler can build them) | torch "
+                "(F.linear and eager torch ops)"
             ),
             "random_seed": "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)",
             "tp_size": "tensor-parallel size (ranks in this scheduler's pod)",

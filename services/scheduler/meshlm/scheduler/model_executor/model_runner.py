@@ -101,7 +101,7 @@ class ModelRunner:
         if config.random_seed is not None:
             torch.manual_seed(config.random_seed)
         self.load_model()
-        self.attach_cpu_ops()
+        self.prepare_cpu_model()
         self.init_memory_pool()
         self.attn_backend = create_backend(config.attention_backend, self.device)
 
@@ -120,9 +120,10 @@ class ModelRunner:
             self.model_config.architecture, self.dtype, self.device, time.perf_counter() - t0,
         )
 
-    def attach_cpu_ops(self) -> None:
-        """On CPU with fused_ops=auto, hand the fused C ops to every layer that takes them
-        (modules with a `cpu_ops` attribute: RMSNorm, SiluAndMul, the RoPE of LlamaModel)."""
+    def prepare_cpu_model(self) -> None:
+        """On CPU with fused_ops=auto: linear weights prepacked for oneDNN, and the fused C ops
+        handed to every layer that takes them (modules with a `cpu_ops` attribute: RMSNorm,
+        SiluAndMul, the RoPE of LlamaModel). fused_ops=torch keeps plain eager torch."""
         if self.device.type != "cpu" or self.config.fused_ops != "auto":
             return
         self.prepack_linears()

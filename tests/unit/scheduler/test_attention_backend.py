@@ -60,10 +60,12 @@ def _decode_case(lens: list[int], heads: int, kv_heads: int, dim: int, dtype: to
     )
     backend.init_forward_metadata(fb)
     layer = RadixAttention(heads, dim, dim**-0.5, kv_heads, 0)
-    q = torch.randn(b, heads, dim, dtype=dtype)
-    k, v = torch.randn(b, kv_heads, dim, dtype=dtype), torch.randn(b, kv_heads, dim, dtype=dtype)
+    # q, k, v as the model hands them over: views into one packed qkv row per token.
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = (t.view(b, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     out = backend.forward(q, k, v, layer, fb)
     assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(pool.k_buffer[0][new_loc], k) and torch.equal(pool.v_buffer[0][new_loc], v)
     for i, n in enumerate(lens):
         idx = rows.req_to_token[i + 1, :n]
         keys = pool.k_buffer[0][idx].float().repeat_interleave(heads // kv_heads, dim=1)  # [n, H, D]
@@ -105,6 +107,21 @@ def test_cpu_kernel_rejects_out_of_range_indices(row: int, length: int, slot: in
         kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([row]), torch.tensor([length]), 1.0)
     ok = kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([1]), torch.tensor([1]), 1.0)
     assert ok.shape == (1, 4, 8)
+
+
+def test_cpu_kernel_store_rejects_a_slot_out_of_range_and_writes_nothing() -> None:
+    kernel = _cpu_backend().kernel
+    table = torch.ones(3, 8, dtype=torch.int64)
+    k = torch.zeros(16, 2, 8)
+    new = torch.ones(1, 2, 8)
+    for loc in (16, -1):
+        with pytest.raises(IndexError, match="out of range"):
+            kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([1]), torch.tensor([1]), 1.0,
+                   new_kv=(new, new, torch.tensor([loc])))
+    assert not k.any()
+    with pytest.raises(ValueError, match="pool's dtype"):
+        kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([1]), torch.tensor([1]), 1.0,
+               new_kv=(new.bfloat16(), new.bfloat16(), torch.tensor([1])))
 
 
 def test_loading_the_kernel_keeps_denormals() -> None:

@@ -45,6 +45,19 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             fb.seq_lens.to(torch.int64).contiguous(),
         )
 
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"
+    ) -> torch.Tensor:
+        """Decode: one kernel call stores the new K/V and attends (no separate index_put)."""
+        meta, pool = fb.attn_metadata, fb.token_to_kv_pool
+        if not isinstance(meta, _FusedDecodeMeta) or pool is None or k.dtype != pool.dtype \
+                or fb.out_cache_loc is None:
+            return super().forward(q, k, v, layer, fb)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        out = self.kernel(q, k_buf, v_buf, meta.req_to_token, meta.rows, meta.lens, layer.scaling,
+                          new_kv=(k, v, fb.out_cache_loc))
+        return out.to(q.dtype)
+
     def decode(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"
     ) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -23,16 +24,21 @@ SUPPORTED_KV_DTYPES = tuple(_KV_DTYPES)
 
 
 class DecodeKernel:
-    """ctypes binding of meshlm_decode_attention (see the C file for the layouts)."""
+    """ctypes binding of meshlm_decode_attention_store (see the C file for the layouts)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.path = Path(lib._name)
-        fn = lib.meshlm_decode_attention
-        i64, p = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [p, p, p, ctypes.c_int, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_float, p, ctypes.c_int]
-        fn.restype = ctypes.c_int
+        fn = lib.meshlm_decode_attention_store
+        i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn.argtypes = [p, i64, p, p, c_int, i64, i64, p, i64, i64, p, p, i64, c_int, c_int, c_int,
+                       ctypes.c_float, p, c_int, p, i64, p, i64, p]
+        fn.restype = c_int
         self._fn = fn
+
+    @staticmethod
+    def _rows_of_heads(t: torch.Tensor, heads: int, d: int) -> bool:
+        """[B, heads, D] with heads D apart and D contiguous (rows may be any stride apart)."""
+        return t.dim() == 3 and t.shape[1:] == (heads, d) and t.stride(2) == 1 and t.stride(1) == d
 
     def __call__(
         self,
@@ -43,11 +49,14 @@ class DecodeKernel:
         rows: torch.Tensor,
         lens: torch.Tensor,
         scale: float,
+        new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """Attention of q [B, H, D] (one token per request) over the first lens[b] slots of
         req_to_token[rows[b]], reading k_buf/v_buf [slots, Hkv, D] in place. Returns [B, H, D]
-        float32. A row, length or slot out of range raises IndexError (checked in C before any
-        KV is read)."""
+        float32. With new_kv = (k [B, Hkv, D], v [B, Hkv, D], loc [B]) in the pool's dtype,
+        request b first writes its new K/V into slot loc[b] (the store of the decode step).
+        A row, length or slot out of range raises IndexError (checked in C before any KV is
+        read or written)."""
         b, h, d = q.shape
         hkv = k_buf.shape[1]
         for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
@@ -57,15 +66,26 @@ class DecodeKernel:
             raise ValueError("k_buf and v_buf must share shape, strides and dtype")
         if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1 or req_to_token.device.type != "cpu":
             raise ValueError("req_to_token must be an int64 table with contiguous rows")
-        q32 = q.to(torch.float32).contiguous()
+        if q.dtype != torch.float32 or not self._rows_of_heads(q, h, d):
+            q = q.to(torch.float32).contiguous()
         rows = rows.to(torch.int64).contiguous()
         lens = lens.to(torch.int64).contiguous()
+        store: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+        if new_kv is not None:
+            nk, nv, loc = new_kv
+            for name, t in (("new k", nk), ("new v", nv)):
+                if t.dtype != k_buf.dtype or not self._rows_of_heads(t, hkv, d) or t.shape[0] != b:
+                    raise ValueError(f"{name} must be [{b}, {hkv}, {d}] rows of the pool's dtype {k_buf.dtype}")
+            loc = loc.to(torch.int64).contiguous()
+            if loc.shape != (b,):
+                raise ValueError(f"loc must be [{b}], got {tuple(loc.shape)}")
+            store = (nk.data_ptr(), nk.stride(0), nv.data_ptr(), nv.stride(0), loc.data_ptr())
         out = torch.empty((b, h, d), dtype=torch.float32)
         rc = self._fn(
-            q32.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), _KV_DTYPES[k_buf.dtype],
+            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), _KV_DTYPES[k_buf.dtype],
             k_buf.stride(0), k_buf.shape[0], req_to_token.data_ptr(), req_to_token.shape[0],
             req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), b, h, hkv, d, scale, out.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), *store,
         )
         if rc == 1:
             raise ValueError(f"decode kernel: unsupported heads/dim (H={h}, Hkv={hkv}, D={d})")

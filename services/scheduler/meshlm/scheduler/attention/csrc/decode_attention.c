@@ -111,18 +111,36 @@ static int bad_request(const int64_t *table, int64_t table_rows, int64_t table_s
     return 0;
 }
 
+/* The store half of a decode step: request b's new K and V rows (Hkv * D elements of the pool's
+ * dtype, `new_stride` elements apart) are copied to slot loc[b] before anything is read, so the
+ * new token attends to itself. */
+static inline void store_row(void *pool, const void *src, int elem, int64_t tok_stride, int64_t slot,
+                             int64_t src_off, int n) {
+    memcpy((char *)pool + slot * tok_stride * elem, (const char *)src + src_off * elem, (size_t)n * elem);
+}
+
 /* Returns 0 on success, 1 on bad shapes, 2 when scratch memory could not be allocated, 3 when
- * a request names a table row, length or KV slot out of range (nothing is read out of bounds). */
-int meshlm_decode_attention(const float *q, const void *k, const void *v, int kv_dtype,
-                            int64_t tok_stride, int64_t num_slots, const int64_t *table,
-                            int64_t table_rows, int64_t table_stride, const int64_t *rows,
-                            const int64_t *lens, int64_t B, int H, int Hkv, int D, float scale,
-                            float *out, int num_threads) {
+ * a request names a table row, length or KV slot out of range (nothing is read or written out
+ * of bounds).
+ *
+ * q: request b's heads start at q + b * q_stride (heads D apart). With new_k / new_v non-NULL,
+ * request b first stores its new K / V row (at new_k + b * kn_stride, new_v + b * vn_stride, in
+ * the pool's dtype) into slot loc[b]. */
+int meshlm_decode_attention_store(const float *q, int64_t q_stride, const void *k, const void *v,
+                                  int kv_dtype, int64_t tok_stride, int64_t num_slots,
+                                  const int64_t *table, int64_t table_rows, int64_t table_stride,
+                                  const int64_t *rows, const int64_t *lens, int64_t B, int H, int Hkv,
+                                  int D, float scale, float *out, int num_threads, const void *new_k,
+                                  int64_t kn_stride, const void *new_v, int64_t vn_stride,
+                                  const int64_t *loc) {
     if (H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0) return 1;
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t b = 0; b < B; b++) {
         if (bad_request(table, table_rows, table_stride, num_slots, rows[b], lens[b])) return 3;
+        if (new_k != NULL && (loc[b] < 0 || loc[b] >= num_slots)) return 3;
+    }
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    const int elem = kv_dtype == 0 ? 4 : 2;
     int failed = 0;
     /* Every thread must reach the worksharing loop, so a thread without scratch still runs it
      * and only skips its requests (reported as failed). */
@@ -135,8 +153,12 @@ int meshlm_decode_attention(const float *q, const void *k, const void *v, int kv
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             if (!ok) continue;
+            if (new_k != NULL) { /* slots are distinct per request: no other thread touches loc[b] */
+                store_row((void *)k, new_k, elem, tok_stride, loc[b], b * kn_stride, Hkv * D);
+                store_row((void *)v, new_v, elem, tok_stride, loc[b], b * vn_stride, Hkv * D);
+            }
             const int64_t *slots = table + rows[b] * table_stride;
-            const float *qb = q + b * H * D;
+            const float *qb = q + b * q_stride;
             float *ob = out + b * H * D;
             /* A constant head dim lets the compiler unroll and vectorize the row loops fully. */
             switch (D) {
@@ -154,4 +176,15 @@ int meshlm_decode_attention(const float *q, const void *k, const void *v, int kv
         free(buf);
     }
     return failed ? 2 : 0;
+}
+
+/* Attention only (the new K/V already stored), q [B, H, D] contiguous. */
+int meshlm_decode_attention(const float *q, const void *k, const void *v, int kv_dtype,
+                            int64_t tok_stride, int64_t num_slots, const int64_t *table,
+                            int64_t table_rows, int64_t table_stride, const int64_t *rows,
+                            const int64_t *lens, int64_t B, int H, int Hkv, int D, float scale,
+                            float *out, int num_threads) {
+    return meshlm_decode_attention_store(q, (int64_t)H * D, k, v, kv_dtype, tok_stride, num_slots,
+                                         table, table_rows, table_stride, rows, lens, B, H, Hkv, D,
+                                         scale, out, num_threads, NULL, 0, NULL, 0, NULL);
 }

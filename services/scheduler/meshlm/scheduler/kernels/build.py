@@ -100,9 +100,10 @@ def load_library(source: Path) -> ctypes.CDLL:
         lib = cache / f"{source.stem}-{key}.so"
         try:
             if not lib.exists():
+                log.info("compiling %s for this CPU (%s %s), cached as %s", source.name, cc, " ".join(flags), lib)
                 t0 = time.perf_counter()
                 compile_library(cc, flags, source, lib)
-                log.info("built %s for this CPU in %.1fs: %s", source.name, time.perf_counter() - t0, lib)
+                log.info("compiled %s in %.1fs", source.name, time.perf_counter() - t0)
             return ctypes.CDLL(str(lib))
         except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
             errors.append(str(e))

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROW = 32768  # csrc/cpu_ops.c: the longest row (hidden size, intermediate size) it takes
+GEMV_MAX_ROWS = 4  # up to this many rows a linear streams its weight (meshlm_gemv_f32)
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -42,7 +43,9 @@ class CpuOps:
         self._rope.argtypes = [p, c_int, i64, i64, c_int, c_int, c_int, p, p, p, i64, c_int]
         self._silu = lib.meshlm_silu_mul
         self._silu.argtypes = [p, p, c_int, i64, c_int, i64, i64, c_int]
-        for fn in (self._norm, self._rope, self._silu):
+        self._gemv = lib.meshlm_gemv_f32
+        self._gemv.argtypes = [p, i64, p, p, p, c_int, i64, c_int, c_int]
+        for fn in (self._norm, self._rope, self._silu, self._gemv):
             fn.restype = c_int
 
     @staticmethod
@@ -101,6 +104,23 @@ class CpuOps:
                         gate_up.stride(0), out.stride(0), torch.get_num_threads())
         if rc:
             raise ValueError(f"silu_mul: unsupported width {two_i}")
+        return out
+
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [M <= GEMV_MAX_ROWS, K] @ weight[N, K]^T (+ bias), float32, weight contiguous."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous() \
+                or weight.shape[1] != k or not _rows(x) or not 1 <= m <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv needs float32 x [1..{GEMV_MAX_ROWS}, K] and a contiguous [N, K] weight")
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                 or bias.shape != (weight.shape[0],)):
+            raise ValueError("gemv bias must be a contiguous float32 [N]")
+        out = torch.empty((m, weight.shape[0]), dtype=torch.float32)
+        rc = self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                        out.data_ptr(), m, weight.shape[0], k, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"gemv: unsupported shape {tuple(x.shape)}")
         return out
 
 

@@ -10,13 +10,17 @@ oneDNN tensor that replaces the dense one; results equal F.linear up to summatio
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.kernels.cpu_ops import CpuOps
 
 log = logging.getLogger(__name__)
 
 PACK_DTYPES = (torch.float32, torch.bfloat16)
+GEMV_MAX_ROWS = 4  # = kernels.cpu_ops.GEMV_MAX_ROWS
 # oneDNN picks the blocked layout for a typical row count: decode batches are tens of rows.
 BATCH_HINT = 64
 
@@ -25,13 +29,14 @@ def prepack_supported() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[PackedLinear]:
+def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor],
+             gemv_ops: Optional["CpuOps"] = None) -> Optional[PackedLinear]:
     """A checked PackedLinear, or None where this torch build or CPU cannot pack `weight`
     (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees."""
     if not prepack_supported() or weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES:
         return None
     try:
-        packed = PackedLinear(weight, bias)
+        packed = PackedLinear(weight, bias, gemv_ops=gemv_ops)
     except RuntimeError as e:
         log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, e)
         return None
@@ -42,20 +47,33 @@ def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[Pac
 
 
 class PackedLinear:
-    """y = x W^T (+ b) for x [T, in] with W [out, in] held in oneDNN's blocked layout."""
+    """y = x W^T (+ b) for x [T, in] with W [out, in] held in oneDNN's blocked layout.
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int = BATCH_HINT) -> None:
+    With `gemv_ops` (float32), the dense W is kept too and batches of at most GEMV_MAX_ROWS rows
+    stream it through our GEMV kernel: there the product is bound by reading W once, and the
+    library GEMVs reach about half of the memory bandwidth two threads get (measured on an AVX2
+    EPYC: 9-13 vs 17-18 GB/s). That costs a second copy of the weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int = BATCH_HINT,
+                 gemv_ops: Optional["CpuOps"] = None) -> None:
         if weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES or weight.dim() != 2:
             raise ValueError(f"PackedLinear needs a 2-D CPU weight of {PACK_DTYPES}")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
         self.bias = None if bias is None else bias.detach().contiguous()
+        use_gemv = gemv_ops is not None and weight.dtype == torch.float32
+        self.gemv_ops = gemv_ops if use_gemv else None
+        self.dense = weight.detach().contiguous() if use_gemv else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             lead = x.shape[:-1]
             return self(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
+        if self.gemv_ops is not None and self.dense is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS \
+                and x.dtype == torch.float32:
+            return self.gemv_ops.gemv(x if x.stride(1) == 1 else x.contiguous(), self.dense, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
     def matches(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
@@ -63,20 +81,24 @@ class PackedLinear:
         CPU is not used). Draws from its own generator: the global RNG, seeded by --random-seed
         for sampling, is left untouched."""
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(3, self.in_features, generator=gen).to(self.dtype)
-        want = torch.nn.functional.linear(x, weight, bias).float()
-        got = self(x).float()
         tol = 1e-3 if self.dtype == torch.float32 else 5e-2
-        return bool(torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))))
+        for rows in (GEMV_MAX_ROWS - 1, 2 * GEMV_MAX_ROWS + 1):  # both paths when gemv is on
+            x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
+            want = torch.nn.functional.linear(x, weight, bias).float()
+            got = self(x).float()
+            if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))):
+                return False
+        return True
 
 
-def prepack_weight(module: torch.nn.Module, with_bias: bool) -> Optional[PackedLinear]:
+def prepack_weight(module: torch.nn.Module, with_bias: bool,
+                   gemv_ops: Optional["CpuOps"] = None) -> Optional[PackedLinear]:
     """A PackedLinear of `module.weight` (and its bias if with_bias); the module's dense weight
     is then dropped (an empty tensor of its dtype stays as the parameter). None when this torch
     build or CPU cannot (the module keeps its dense weight)."""
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
     bias = module.bias if with_bias else None  # type: ignore[assignment]
-    packed = try_pack(weight, bias)
+    packed = try_pack(weight, bias, gemv_ops)
     if packed is None:
         return None
     module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)

@@ -9,7 +9,7 @@ each checkpoint tensor into its own slice of this rank's shard.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear, prepack_weight
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.kernels.cpu_ops import CpuOps
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -60,8 +63,8 @@ class ColumnParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[0])
         _copy_into(param.data, loaded.narrow(0, start, n), "column-parallel")
 
-    def prepack(self) -> bool:
-        self.packed = prepack_weight(self, with_bias=True)
+    def prepack(self, gemv_ops: Optional["CpuOps"] = None) -> bool:
+        self.packed = prepack_weight(self, with_bias=True, gemv_ops=gemv_ops)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +105,8 @@ class RowParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[1])
         _copy_into(param.data, loaded.narrow(1, start, n), "row-parallel")
 
-    def prepack(self) -> bool:
-        self.packed = prepack_weight(self, with_bias=False)
+    def prepack(self, gemv_ops: Optional["CpuOps"] = None) -> bool:
+        self.packed = prepack_weight(self, with_bias=False, gemv_ops=gemv_ops)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

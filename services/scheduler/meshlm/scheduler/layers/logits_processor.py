@@ -8,13 +8,16 @@ extend segment (position j predicts fill token j + 1). DECODE batches need every
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear, try_pack
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.kernels.cpu_ops import CpuOps
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -35,8 +38,8 @@ class LogitsProcessor(nn.Module):
         # caller's (with tied embeddings it is also the embedding table).
         self.packed_head: Optional[PackedLinear] = None
 
-    def prepack(self, lm_head_weight: torch.Tensor) -> bool:
-        self.packed_head = try_pack(lm_head_weight, None)
+    def prepack(self, lm_head_weight: torch.Tensor, gemv_ops: Optional["CpuOps"] = None) -> bool:
+        self.packed_head = try_pack(lm_head_weight, None, gemv_ops)
         return self.packed_head is not None
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

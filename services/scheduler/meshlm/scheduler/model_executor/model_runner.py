@@ -19,7 +19,7 @@ import torch
 from meshlm.scheduler.attention import create_backend
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
-from meshlm.scheduler.kernels.cpu_ops import cpu_ops_or_none
+from meshlm.scheduler.kernels.cpu_ops import CpuOps, cpu_ops_or_none
 from meshlm.scheduler.layers.cpu_gemm import prepack_supported
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
@@ -126,8 +126,8 @@ class ModelRunner:
         SiluAndMul, the RoPE of LlamaModel). fused_ops=torch keeps plain eager torch."""
         if self.device.type != "cpu" or self.config.fused_ops != "auto":
             return
-        self.prepack_linears()
         ops = cpu_ops_or_none()
+        self.prepack_linears(ops)
         if ops is None:
             return
         n = 0
@@ -137,9 +137,10 @@ class ModelRunner:
                 n += 1
         logger.info("fused CPU ops (RMSNorm + residual, RoPE, SiLU*mul) in %d modules", n)
 
-    def prepack_linears(self) -> None:
+    def prepack_linears(self, gemv_ops: Optional[CpuOps] = None) -> None:
         """Every linear layer's weight (and the LM head) into oneDNN's blocked layout
-        (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear."""
+        (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
+        (float32), batches of <= 4 rows stream a kept dense copy through our GEMV kernel."""
         if not prepack_supported():
             logger.warning("oneDNN is not available in this torch build; linears use F.linear")
             return
@@ -147,11 +148,11 @@ class ModelRunner:
         for module in self.model.modules():
             prepack = getattr(module, "prepack", None)
             if callable(prepack) and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                n += bool(prepack())
+                n += bool(prepack(gemv_ops))
         head = getattr(self.model, "lm_head", None)
         logits = getattr(self.model, "logits_processor", None)
         if head is not None and logits is not None:
-            n += bool(logits.prepack(head.weight))
+            n += bool(logits.prepack(head.weight, gemv_ops))
         logger.info("prepacked %d linear weights for oneDNN in %.2fs", n, time.perf_counter() - t0)
 
     def _kv_budget_bytes(self) -> int:

@@ -4,7 +4,8 @@ A decoder layer in eager torch runs ~25 small ops (RMSNorm alone is seven: add, 
 mean, rsqrt, two multiplies), each reading and writing a temporary; at decode sizes each costs
 more in dispatch than in arithmetic. Here RMSNorm with its residual add, RoPE on the packed qkv
 row and SiLU·mul are one pass each. float32 and bfloat16 CPU tensors; anything else takes the
-torch path (callers check `supports`).
+torch path (callers check `supports`). Also a float32 GEMV for linears at 1..GEMV_MAX_ROWS rows
+(used by layers/cpu_gemm.py), where the product is bound by streaming the weight once.
 """
 
 from __future__ import annotations
@@ -105,7 +106,6 @@ class CpuOps:
         if rc:
             raise ValueError(f"silu_mul: unsupported width {two_i}")
         return out
-
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [M <= GEMV_MAX_ROWS, K] @ weight[N, K]^T (+ bias), float32, weight contiguous."""

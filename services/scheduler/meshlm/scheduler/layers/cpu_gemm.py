@@ -4,7 +4,8 @@ F.linear on CPU hands every call to MKL's sgemm, which re-packs the weight panel
 at decode sizes (tens of rows against a few-MB weight) that packing is a large share of the
 work. oneDNN's matmul with the weight reordered at start-up into its blocked layout for this CPU
 (the layout inductor's CPU weight prepacking uses) skips it. The packed weight is an opaque
-oneDNN tensor that replaces the dense one; results equal F.linear up to summation order.
+oneDNN tensor; results equal F.linear up to summation order. In float32, with the fused CPU ops,
+the dense weight is kept beside it for decode batches of 1..GEMV_MAX_ROWS rows (PackedLinear).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from meshlm.scheduler.kernels.cpu_ops import GEMV_MAX_ROWS
+
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.cpu_ops import CpuOps
 
 log = logging.getLogger(__name__)
 
 PACK_DTYPES = (torch.float32, torch.bfloat16)
-GEMV_MAX_ROWS = 4  # = kernels.cpu_ops.GEMV_MAX_ROWS
 # oneDNN picks the blocked layout for a typical row count: decode batches are tens of rows.
 BATCH_HINT = 64
 
@@ -93,9 +95,10 @@ class PackedLinear:
 
 def prepack_weight(module: torch.nn.Module, with_bias: bool,
                    gemv_ops: Optional["CpuOps"] = None) -> Optional[PackedLinear]:
-    """A PackedLinear of `module.weight` (and its bias if with_bias); the module's dense weight
-    is then dropped (an empty tensor of its dtype stays as the parameter). None when this torch
-    build or CPU cannot (the module keeps its dense weight)."""
+    """A PackedLinear of `module.weight` (and its bias if with_bias); the module's parameter is
+    then an empty tensor of its dtype (the PackedLinear holds the dense weight only where it uses
+    it for small batches). None when this torch build or CPU cannot (the module keeps its dense
+    weight)."""
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
     bias = module.bias if with_bias else None  # type: ignore[assignment]
     packed = try_pack(weight, bias, gemv_ops)

@@ -114,8 +114,9 @@ class RopeBatch:
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             return q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        cos_sin = self.cos_sin if self.cos_sin is not None else self.emb.cos_sin(self.positions, qkv.dtype)
-        q, k = RotaryEmbedding.apply(q.view(t, -1, d), k.view(t, -1, d), cos_sin)
+        if self.cos_sin is None:  # ops given but this qkv not theirs (e.g. float16): look up once
+            self.cos_sin = self.emb.cos_sin(self.positions, qkv.dtype)
+        q, k = RotaryEmbedding.apply(q.view(t, -1, d), k.view(t, -1, d), self.cos_sin)
         return q, k, v.reshape(t, -1, d)
 
 

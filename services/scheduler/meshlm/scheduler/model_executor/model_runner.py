@@ -146,9 +146,8 @@ class ModelRunner:
             return
         t0, n = time.perf_counter(), 0
         for module in self.model.modules():
-            prepack = getattr(module, "prepack", None)
-            if callable(prepack) and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                n += bool(prepack(gemv_ops))
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                n += bool(module.prepack(gemv_ops))
         head = getattr(self.model, "lm_head", None)
         logits = getattr(self.model, "logits_processor", None)
         if head is not None and logits is not None:

@@ -6,7 +6,8 @@
  * layer (the torch path reads it, writes a copy, then reads the copy).
  *
  * Layouts (element offsets):
- *   q, out      [B, H, D] float32, contiguous
+ *   q           [B, H, D] float32, request b at q + b * q_stride (heads D apart)
+ *   out         [B, H, D] float32, contiguous
  *   k, v        slot s, KV head j, dim d at s * tok_stride + j * D + d
  *   table       int64 req_to_token, row r at r * table_stride
  *   rows, lens  [B] int64
@@ -112,7 +113,7 @@ static int bad_request(const int64_t *table, int64_t table_rows, int64_t table_s
 }
 
 /* The store half of a decode step: request b's new K and V rows (Hkv * D elements of the pool's
- * dtype, `new_stride` elements apart) are copied to slot loc[b] before anything is read, so the
+ * dtype, starting src_off elements into src) are copied to slot loc[b] before anything is read, so the
  * new token attends to itself. */
 static inline void store_row(void *pool, const void *src, int elem, int64_t tok_stride, int64_t slot,
                              int64_t src_off, int n) {
@@ -176,15 +177,4 @@ int meshlm_decode_attention_store(const float *q, int64_t q_stride, const void *
         free(buf);
     }
     return failed ? 2 : 0;
-}
-
-/* Attention only (the new K/V already stored), q [B, H, D] contiguous. */
-int meshlm_decode_attention(const float *q, const void *k, const void *v, int kv_dtype,
-                            int64_t tok_stride, int64_t num_slots, const int64_t *table,
-                            int64_t table_rows, int64_t table_stride, const int64_t *rows,
-                            const int64_t *lens, int64_t B, int H, int Hkv, int D, float scale,
-                            float *out, int num_threads) {
-    return meshlm_decode_attention_store(q, (int64_t)H * D, k, v, kv_dtype, tok_stride, num_slots,
-                                         table, table_rows, table_stride, rows, lens, B, H, Hkv, D,
-                                         scale, out, num_threads, NULL, 0, NULL, 0, NULL);
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import multiprocessing
+import re
 import time
 from pathlib import Path
 
@@ -154,7 +155,9 @@ def test_a_dead_rank_stops_rank_0_promptly(tmp_path: Path, smollm_tokenizer) -> 
         while eng.runtime.is_alive() and time.monotonic() - t0 < 10:
             time.sleep(0.05)
         assert not eng.runtime.is_alive()
-        assert "Connection closed by peer" in str(eng.runtime.crashed)
+        # The OS tells gloo of the dead peer as EOF ("closed") or, when the killed rank had
+        # unread data, as a reset: which one is a race of the kill, not of our code.
+        assert re.search(r"Connection (closed|reset) by peer", str(eng.runtime.crashed))
     assert not multiprocessing.active_children()
     assert not torch.distributed.is_initialized()
 

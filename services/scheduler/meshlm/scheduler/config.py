@@ -111,8 +111,9 @@ class SchedulerConfig:
                 "can build it, else torch_native; CUDA: torch_native) | torch_native | cpu"
             ),
             "fused_ops": (
-                "CPU model kernels: auto (linear weights prepacked for oneDNN, fused C kernels for "
-                "RMSNorm + residual, RoPE and SiLU*mul when a C compiler can build them) | torch "
+                "CPU model kernels: auto (linear weights prepacked for oneDNN; when a C compiler "
+                "can build them, fused C kernels for RMSNorm + residual, RoPE and SiLU*mul and, in "
+                "float32, a GEMV for batches of 1-4 rows over a kept dense weight copy) | torch "
                 "(F.linear and eager torch ops)"
             ),
             "random_seed": "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)",

@@ -69,6 +69,8 @@ def to_yaml(node: Obj, depth: int = 0) -> list[str]:
     out: list[str] = []
     ind = "  " * depth
     for key, child in node.fields.items():
+        if isinstance(child, Field) and child.schema_only:
+            continue
         out += _comment(child.doc, ind)
         if isinstance(child, Obj):
             out.append(f"{ind}{key}:")

@@ -21,6 +21,7 @@ class Field:
     doc: str
     schema: dict[str, Any]
     default: Any = None
+    schema_only: bool = False  # a key Helm fills in itself: in values.schema.json, not values.yaml
 
 
 @dataclass
@@ -335,6 +336,18 @@ RESOURCE_DEFAULTS = {
 }
 
 
+LIBRARY = "meshlm-lib"  # the library chart of the shared templates, a dependency of every component
+
+
+def library_slot() -> Field:
+    """Helm gives every dependency a values key, the library chart too, and copies global into
+    it; the closed schemas must allow that key (and nothing else in it)."""
+    return Field(f"Filled in by Helm for the {LIBRARY} dependency (the shared templates), which "
+                 "takes no values.",
+                 closed({"global": {"type": "object", "description": "copied from global"}}),
+                 schema_only=True)
+
+
 def component_spec(component: str) -> Obj:
     requests, memory_limit, grace, startup = RESOURCE_DEFAULTS[component]
     shared = common(component, {"requests": requests, "limits": {"memory": memory_limit}},
@@ -354,6 +367,7 @@ def component_spec(component: str) -> Obj:
         service.fields["type"] = Field(f"Type of the {what} service.", SERVICE_TYPE, "ClusterIP")
         if component == "gateway":
             service.fields["annotations"] = Field("Annotations of that service.", STR_MAP, {})
+    fields[LIBRARY] = library_slot()
     return Obj(f"Values of the meshlm-{component} chart.", fields)
 
 

@@ -17,6 +17,7 @@ DOCKER_DIR = REPO / "deploy" / "docker"
 EXAMPLES = HELM_DIR / "examples"
 COMPONENTS = ("gateway", "tokenizer", "scheduler", "detokenizer")
 CHARTS = tuple(f"meshlm-{c}" for c in COMPONENTS)
+UMBRELLA, LIBRARY = "meshlm", "meshlm-lib"
 RELEASE, NAMESPACE = "prod", "ml"
 # Newest schema set kubernetes-validate ships, and the charts' kubeVersion floor.
 K8S_VERSIONS = ("1.37.0", "1.27.0")
@@ -24,12 +25,16 @@ K8S_VERSIONS = ("1.37.0", "1.27.0")
 
 def build_umbrella(dest: Path) -> Path:
     """Copy deploy/helm to dest and run `helm dependency build` on the umbrella there (it packs
-    the file:// subcharts into charts/), so the checkout is never written to."""
-    shutil.copytree(
-        HELM_DIR, dest, ignore=shutil.ignore_patterns("charts", "Chart.lock", "__pycache__")
-    )
-    helm.dependency_build(dest / "meshlm")
-    return dest / "meshlm"
+    the file:// subcharts into charts/), so the checkout is never written to. The component
+    charts' charts/meshlm-lib links are copied as links: they are the library's one copy."""
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        built = {"charts", "Chart.lock"} if Path(directory).name == UMBRELLA else set()
+        return {n for n in names if n in built or n == "__pycache__"}
+
+    shutil.copytree(HELM_DIR, dest, symlinks=True, ignore=ignore)
+    helm.dependency_build(dest / UMBRELLA)
+    return dest / UMBRELLA
 
 
 def example(name: str) -> dict[str, Any]:

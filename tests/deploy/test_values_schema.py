@@ -207,12 +207,6 @@ def test_drain_budget_must_fit_the_grace_period() -> None:
         )
 
 
-def test_shared_helpers_are_identical() -> None:
-    """Named templates are global in an umbrella release: the shared copies must not drift."""
-    texts = {c: (HELM_DIR / c / "templates" / "_meshlm.tpl").read_text() for c in CHARTS}
-    assert len(set(texts.values())) == 1, "deploy/helm/*/templates/_meshlm.tpl differ"
-
-
 def test_charts_share_one_values_shape() -> None:
     """The keys the issue lists exist in every chart with the same schema (gateway: no metrics.port,
     as it serves /metrics on its HTTP port)."""

@@ -1,8 +1,8 @@
 {{- /*
-Shared helpers of the four meshlm component charts. This file is identical in every chart
-(tests/deploy checks it): named templates are global in an umbrella release, so the copies
-must agree. Every helper takes (dict "ctx" $ "component" "<gateway|tokenizer|scheduler|detokenizer>")
-and never reads .Chart.Name, which an umbrella alias changes.
+Shared helpers of the four meshlm component charts, the one copy: each chart depends on this
+library chart (charts/meshlm-lib links here). Every helper takes
+(dict "ctx" $ "component" "<gateway|tokenizer|scheduler|detokenizer>"), reads the calling chart's
+values and metadata through .ctx, and never reads .Chart.Name, which an umbrella alias changes.
 
 Naming: every resource of a component is "<system>-meshlm-<component>", where <system> is
 global.meshlm.system or, when empty, the release name. A standalone chart therefore finds its

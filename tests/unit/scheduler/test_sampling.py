@@ -81,10 +81,34 @@ def test_from_dict_unknown_key_and_none_defaults() -> None:
     assert SamplingParams(temperature=None, ignore_eos=None).ignore_eos is False
 
 
-def test_verify_message_names_field_range_and_value() -> None:
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"temperature": -1.0}, "sampling_params.temperature must be >= 0, got -1.0"),
+        (
+            {"temperature": float("nan")},
+            "sampling_params.temperature must be a finite number >= 0, got nan",
+        ),
+        (
+            {"top_k": 2.5},
+            "sampling_params.top_k must be an integer -1 (whole vocabulary) or >= 1, got 2.5",
+        ),
+        (
+            {"stop_token_ids": [V]},
+            f"sampling_params.stop_token_ids[0] = {V} is out of the vocabulary; "
+            f"token ids must be in [0, {V})",
+        ),
+        (
+            {"stop": ["a", ""]},
+            "sampling_params.stop[1] is empty; stop strings need at least 1 character",
+        ),
+    ],
+)
+def test_verify_message_names_field_range_and_value(kw: dict[str, Any], message: str) -> None:
+    """The messages are meshlm.common.sampling_rules', the same the tokenizer sends."""
     with pytest.raises(ValueError) as exc:
-        SamplingParams(temperature=-1.0).verify(V)
-    assert str(exc.value) == "temperature must be a finite number >= 0, got -1.0"
+        SamplingParams(**kw).verify(V)
+    assert str(exc.value) == message
 
 
 BAD_CASES = [
@@ -116,6 +140,7 @@ BAD_CASES = [
     ("stop_token_ids", {"stop_token_ids": [V]}),
     ("stop_token_ids", {"stop_token_ids": ["1"]}),
     ("stop", {"stop": 5}),
+    ("stop", {"stop": ""}),
     ("n", {"n": 0}),
     ("stream_interval", {"stream_interval": 0}),
     ("ignore_eos", {"ignore_eos": "yes"}),
@@ -134,10 +159,36 @@ BAD_CASES = [
 def test_verify_rejects(field: str, kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=field) as exc:
         SamplingParams(**kw).verify(V)
+    assert str(exc.value).startswith(f"sampling_params.{field}")
     if field in ("json_schema", "regex", "ebnf"):
-        assert "not supported" in str(exc.value)
-    else:
-        assert "got" in str(exc.value)
+        assert "not implemented" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "pb",
+    [
+        {"top_p": 1.5},
+        {"temperature": -1},
+        {"n": 0},
+        {"min_new_tokens": 9, "max_new_tokens": 4},
+        {"stop": ["a", ""]},
+        {"stop_token_ids": [V]},
+        {"logit_bias": {V + 1: 1.0}},
+        {"ebnf": "root ::= 'a'"},
+    ],
+)
+def test_tokenizer_and_scheduler_apply_the_same_rules(pb: dict[str, Any]) -> None:
+    """One rule set: a proto the tokenizer rejects gets the same message from the scheduler."""
+    from meshlm.scheduler.service.wire import sampling_params_from_proto
+    from meshlm.tokenizer.request import InvalidRequest, verify_sampling_params
+    from meshlm.v1 import common_pb2
+
+    proto = common_pb2.SamplingParams(**pb)
+    with pytest.raises(InvalidRequest) as at_tokenizer:
+        verify_sampling_params(proto, V)
+    with pytest.raises(ValueError) as at_scheduler:
+        sampling_params_from_proto(proto).verify(V)
+    assert str(at_tokenizer.value) == str(at_scheduler.value)
 
 
 def test_verify_accepts_edges() -> None:

@@ -203,6 +203,14 @@ def test_embed_normalisation(tok):
             gen(text("x"), sampling_params=common_pb2.SamplingParams(stop=[""])),
             "sampling_params.stop[0] is empty",
         ),
+        (
+            gen(text("x"), sampling_params=common_pb2.SamplingParams(stop_token_ids=[1, VOCAB])),
+            f"sampling_params.stop_token_ids[1] = {VOCAB} is out of the vocabulary",
+        ),
+        (
+            gen(text("x"), sampling_params=common_pb2.SamplingParams(logit_bias={5: float("inf")})),
+            "sampling_params.logit_bias[5] must be a finite number, got inf",
+        ),
         (gen(text("x"), top_logprobs_num=-2), "top_logprobs_num must be >= 0, got -2"),
         (
             gen(text("x"), token_ids_logprob=[VOCAB]),

@@ -1,6 +1,8 @@
 """OpenAI-compatible request and response models (field names and defaults as OpenAI's API, plus
 SGLang's extras). Requests validate strictly: wrong JSON types and out-of-range values are 400s
-(the error handler in errors.py), never coerced and never 422."""
+(the error handler in errors.py), never coerced and never 422. The bounds of the sampling fields
+are meshlm.common.sampling_rules' (the ones the tokenizer and scheduler apply), narrowed where
+OpenAI's API is narrower (n, temperature)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,18 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from meshlm.common.sampling_rules import RANGES
+
 # ---------------------------------------------------------------------------- requests
 
 INT32 = 1 << 31
+OPENAI_MAX_N = 128
+OPENAI_MAX_TEMPERATURE = 2  # OpenAI's limit; the servers take any finite temperature >= 0
+
+
+def _ruled(default: Any, rule: str, description: Optional[str] = None, **narrower: float) -> Any:
+    """A Field bounded as meshlm.common.sampling_rules.RANGES[rule], narrowed by `narrower`."""
+    return Field(default, description=description, **RANGES[rule].bounds(**narrower))
 
 
 class _Request(BaseModel):
@@ -37,22 +48,24 @@ class _SamplingFields(_Request):
     """Sampling fields shared by completions and chat (OpenAI's, then SGLang's extras)."""
 
     model: Optional[str] = Field(None, description="must be the served model name (GET /v1/models)")
-    n: int = Field(1, ge=1, le=128)
+    n: int = _ruled(1, "n", le=OPENAI_MAX_N)
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = Field(None, ge=0, le=2, description="default 1.0")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="default 1.0")
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    temperature: Optional[float] = _ruled(
+        None, "temperature", "default 1.0", le=OPENAI_MAX_TEMPERATURE
+    )
+    top_p: Optional[float] = _ruled(None, "top_p", "default 1.0")
+    presence_penalty: Optional[float] = _ruled(None, "presence_penalty")
+    frequency_penalty: Optional[float] = _ruled(None, "frequency_penalty")
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     # SGLang extras
     top_k: Optional[int] = Field(None, lt=INT32, description="-1 = whole vocabulary")
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    min_tokens: Optional[int] = Field(None, ge=0, lt=INT32)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
+    min_p: Optional[float] = _ruled(None, "min_p")
+    min_tokens: Optional[int] = _ruled(None, "min_new_tokens", lt=INT32)
+    repetition_penalty: Optional[float] = _ruled(None, "repetition_penalty")
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
@@ -68,8 +81,8 @@ class _SamplingFields(_Request):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: Optional[int]) -> Optional[int]:
-        if v is not None and v != -1 and v < 1:
-            raise ValueError("must be -1 (whole vocabulary) or >= 1")
+        if v is not None and not RANGES["top_k"].allows(v):
+            raise ValueError(f"must be {RANGES['top_k'].describe()}")
         return v
 
     @field_validator("logit_bias")
@@ -92,7 +105,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0, lt=INT32)
+    max_tokens: Optional[int] = _ruled(16, "max_new_tokens", lt=INT32)
     logprobs: Optional[int] = Field(None, ge=0, le=20, description="number of top logprobs per token")
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1)
@@ -118,8 +131,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=0, lt=INT32, description="deprecated; max_completion_tokens wins")
-    max_completion_tokens: Optional[int] = Field(None, ge=0, lt=INT32)
+    max_tokens: Optional[int] = _ruled(
+        None, "max_new_tokens", "deprecated; max_completion_tokens wins", lt=INT32
+    )
+    max_completion_tokens: Optional[int] = _ruled(None, "max_new_tokens", lt=INT32)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     continue_final_message: bool = False

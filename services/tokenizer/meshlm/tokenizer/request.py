@@ -1,5 +1,6 @@
 """Request normalisation and validation (SGLang's GenerateReqInput.normalize_batch_and_arguments,
-TokenizerManager._validate_one_request and SamplingParams.verify), as plain functions.
+TokenizerManager._validate_one_request and SamplingParams.verify), as plain functions; the
+sampling and token-id rules are meshlm.common.sampling_rules, shared with the scheduler.
 
 A GenerateRequest becomes one `SubRequest` per output: prompt p, sample j -> index p*n + j, rid
 `<rid>` when there is exactly one output, else `<rid>_<index>` (docs/ring.md "Identities").
@@ -8,17 +9,17 @@ Every problem raises `InvalidRequest`, whose message names the field and the lim
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
+from meshlm.common import sampling_rules
 from meshlm.tokenizer.hf_tokenizer import ChatTemplateError, HFTokenizer
 from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(sampling_rules.InvalidArgument):
     """Bad input: INVALID_ARGUMENT / HTTP 400."""
 
 
@@ -101,79 +102,26 @@ def tokenize_prompt(
 
 
 def check_token_ids(ids: Sequence[int], where: str, vocab_size: int) -> None:
-    for pos, t in enumerate(ids):
-        if t < 0 or t >= vocab_size:
-            raise InvalidRequest(
-                f"{where}[{pos}] = {t} is out of the vocabulary; token ids must be in [0, {vocab_size})"
-            )
+    """Every id in [0, vocab_size) (meshlm.common.sampling_rules); `where` names the list."""
+    try:
+        sampling_rules.check_token_ids(ids, where, vocab_size)
+    except sampling_rules.InvalidArgument as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def verify_sampling_params(sp: common_pb2.SamplingParams, vocab_size: int) -> None:
-    """SGLang's SamplingParams.verify; field names as in the proto."""
-
-    def has(name: str) -> bool:
-        return sp.HasField(name)
-
-    if has("max_new_tokens"):
-        _need(
-            sp.max_new_tokens >= 0,
-            f"sampling_params.max_new_tokens must be >= 0, got {sp.max_new_tokens}",
-        )
-    if has("min_new_tokens"):
-        _need(
-            sp.min_new_tokens >= 0,
-            f"sampling_params.min_new_tokens must be >= 0, got {sp.min_new_tokens}",
-        )
-        max_new = sp.max_new_tokens if has("max_new_tokens") else 128
-        _need(
-            sp.min_new_tokens <= max_new,
-            f"sampling_params.min_new_tokens ({sp.min_new_tokens}) must be <= max_new_tokens ({max_new})",
-        )
-    if has("temperature"):
-        _need(
-            math.isfinite(sp.temperature) and sp.temperature >= 0,
-            f"sampling_params.temperature must be finite and >= 0, got {sp.temperature}",
-        )
-    if has("top_p"):
-        _need(0 < sp.top_p <= 1, f"sampling_params.top_p must be in (0, 1], got {sp.top_p}")
-    if has("top_k"):
-        _need(
-            sp.top_k == -1 or sp.top_k >= 1,
-            f"sampling_params.top_k must be -1 (all) or >= 1, got {sp.top_k}",
-        )
-    if has("min_p"):
-        _need(0 <= sp.min_p <= 1, f"sampling_params.min_p must be in [0, 1], got {sp.min_p}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if has(name):
-            v = getattr(sp, name)
-            _need(-2 <= v <= 2, f"sampling_params.{name} must be in [-2, 2], got {v}")
-    if has("repetition_penalty"):
-        _need(
-            0 < sp.repetition_penalty <= 2,
-            f"sampling_params.repetition_penalty must be in (0, 2], got {sp.repetition_penalty}",
-        )
-    if has("n"):
-        _need(sp.n >= 1, f"sampling_params.n must be >= 1, got {sp.n}")
-    if has("stream_interval"):
-        _need(
-            sp.stream_interval >= 1,
-            f"sampling_params.stream_interval must be >= 1, got {sp.stream_interval}",
-        )
-    for name in ("json_schema", "regex", "ebnf"):
-        _need(
-            not has(name),
-            f"sampling_params.{name}: structured output is not implemented; leave it unset",
-        )
-    for tid in sp.logit_bias:
-        _need(
-            0 <= tid < vocab_size,
-            f"sampling_params.logit_bias key {tid} is out of the vocabulary; token ids must be in [0, {vocab_size})",
-        )
-    for i, s in enumerate(sp.stop):
-        _need(
-            len(s) > 0,
-            f"sampling_params.stop[{i}] is empty; stop strings need at least 1 character",
-        )
+    """SGLang's SamplingParams.verify on the fields the request set: the rules of
+    meshlm.common.sampling_rules, vocabulary checks included (the scheduler applies the same)."""
+    values: dict[str, Any] = {fd.name: value for fd, value in sp.ListFields()}
+    for name in ("stop", "stop_token_ids"):
+        if name in values:
+            values[name] = list(values[name])
+    if "logit_bias" in values:
+        values["logit_bias"] = dict(values["logit_bias"])
+    try:
+        sampling_rules.check_sampling_params(values, vocab_size)
+    except sampling_rules.InvalidArgument as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def normalize_generate(

@@ -1,7 +1,8 @@
 """SamplingParams: per-request decoding controls, with SGLang's defaults and validation.
 
 Life cycle: build with ``SamplingParams(...)`` or ``from_dict``, then ``verify(vocab_size)``
-(raises ``ValueError`` naming the field, the allowed range and the given value), then
+(the rules of meshlm.common.sampling_rules, shared with the tokenizer: raises ``ValueError``
+naming the field, the allowed range and the given value), then
 ``normalize(tokenizer)``. After ``normalize``:
 
 - ``stop_strs`` is a list of strings and ``stop_str_max_len`` the longest stop string in
@@ -14,9 +15,10 @@ Life cycle: build with ``SamplingParams(...)`` or ``from_dict``, then ``verify(v
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
+
+from meshlm.common.sampling_rules import DEFAULT_MAX_NEW_TOKENS, RANGES, check_sampling_params
 
 __all__ = ["SamplingParams", "TOP_K_ALL", "SAMPLING_EPS"]
 
@@ -40,28 +42,6 @@ _NON_OPTIONAL_DEFAULTS: dict[str, Any] = {
     "n": 1,
 }
 
-_BOOL_FIELDS = (
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-)
-_UNSUPPORTED_FIELDS = ("json_schema", "regex", "ebnf")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_real(name: str, value: Any, ok: bool, expected: str) -> None:
-    """Raise unless ok (the caller's type and range test on value) holds."""
-    if not ok:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-
 
 @dataclass
 class SamplingParams:
@@ -71,7 +51,7 @@ class SamplingParams:
     means "up to the context length" (the scheduler caps it).
     """
 
-    max_new_tokens: Optional[int] = 128
+    max_new_tokens: Optional[int] = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -121,97 +101,11 @@ class SamplingParams:
         return self.top_k == 1
 
     def verify(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first invalid field, its allowed range and its value."""
-        self._verify_numbers()
-        self._verify_lengths()
-        self._verify_stops(vocab_size)
-        self._verify_logit_bias(vocab_size)
-        self._verify_misc()
-
-    def _verify_numbers(self) -> None:
-        t = self.temperature
-        _check_real("temperature", t, _is_real(t) and math.isfinite(t) and t >= 0,
-                    "a finite number >= 0")
-        p = self.top_p
-        _check_real("top_p", p, _is_real(p) and 0 < p <= 1, "a number in (0, 1]")
-        k = self.top_k
-        if not _is_int(k) or not (k == -1 or k >= 1):
-            raise ValueError(f"top_k must be -1 (whole vocabulary) or an integer >= 1, got {k!r}")
-        m = self.min_p
-        _check_real("min_p", m, _is_real(m) and 0 <= m <= 1, "a number in [0, 1]")
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            _check_real(name, v, _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]")
-        r = self.repetition_penalty
-        _check_real("repetition_penalty", r, _is_real(r) and 0 < r <= 2, "a number in (0, 2]")
-
-    def _verify_lengths(self) -> None:
-        mx, mn = self.max_new_tokens, self.min_new_tokens
-        if mx is not None and (not _is_int(mx) or mx < 0):
-            raise ValueError(f"max_new_tokens must be an integer >= 0 or None, got {mx!r}")
-        if not _is_int(mn) or mn < 0:
-            raise ValueError(f"min_new_tokens must be an integer >= 0, got {mn!r}")
-        if mx is not None and mn > mx:
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={mx}], got {mn!r}"
-            )
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        si = self.stream_interval
-        if si is not None and (not _is_int(si) or si < 1):
-            raise ValueError(f"stream_interval must be an integer >= 1 or None, got {si!r}")
-
-    def _verify_stops(self, vocab_size: int) -> None:
-        s = self.stop
-        if s is not None and not isinstance(s, str):
-            if not isinstance(s, (list, tuple)) or not all(isinstance(x, str) for x in s):
-                raise ValueError(f"stop must be a string, a list of strings or None, got {s!r}")
-        ids = self.stop_token_ids
-        if ids is None:
-            return
-        if not isinstance(ids, (list, tuple, set, frozenset)):
-            raise ValueError(f"stop_token_ids must be a list of token ids or None, got {ids!r}")
-        for t in ids:
-            if not _is_int(t) or not 0 <= t < vocab_size:
-                raise ValueError(
-                    f"stop_token_ids must hold token ids in [0, {vocab_size}), got {t!r}"
-                )
-
-    def _verify_logit_bias(self, vocab_size: int) -> None:
-        lb = self.logit_bias
-        if lb is None:
-            return
-        if not isinstance(lb, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> number, got {lb!r}")
-        for key, value in lb.items():
-            token = _parse_token_key(key)
-            if token is None or not 0 <= token < vocab_size:
-                raise ValueError(
-                    f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}"
-                )
-            if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(
-                    f"logit_bias values must be finite numbers, got {value!r} for token {key!r}"
-                )
-
-    def _verify_misc(self) -> None:
-        for name in _BOOL_FIELDS:
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise ValueError(f"{name} must be a bool, got {v!r}")
-        seed = self.sampling_seed
-        if seed is not None and not _is_int(seed):
-            raise ValueError(f"sampling_seed must be an integer or None, got {seed!r}")
-        cp = self.custom_params
-        if cp is not None and not isinstance(cp, dict):
-            raise ValueError(f"custom_params must be a dict or None, got {cp!r}")
-        for name in _UNSUPPORTED_FIELDS:
-            v = getattr(self, name)
-            if v is not None:
-                raise ValueError(
-                    f"{name} is not supported (structured output is not implemented), "
-                    f"got {v!r}"
-                )
+        """Raise ValueError (meshlm.common.sampling_rules.InvalidArgument) naming the first
+        invalid field, its allowed values and its value: the rules the tokenizer applies too,
+        plus the vocabulary checks (stop_token_ids, logit_bias keys in [0, vocab_size))."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        check_sampling_params(values, vocab_size)
 
     def normalize(self, tokenizer: Any) -> None:
         """Derive stop_strs / stop_str_max_len and canonicalize greedy and top_k (idempotent).
@@ -235,7 +129,8 @@ class SamplingParams:
             max_len = max(max_len, n)
         self.stop_str_max_len = max_len
 
-        if _is_real(self.temperature) and 0 <= self.temperature < SAMPLING_EPS:
+        t = self.temperature
+        if RANGES["temperature"].has_type(t) and 0 <= t < SAMPLING_EPS:
             self.temperature = 1.0
             self.top_k = 1
         if self.top_k == -1:
@@ -247,14 +142,3 @@ class SamplingParams:
             return {}
         return {int(k): float(v) for k, v in self.logit_bias.items()}
 
-
-def _parse_token_key(key: Any) -> Optional[int]:
-    """A logit_bias key as an int, or None when it is not an integer or integer string."""
-    if _is_int(key):
-        return key
-    if isinstance(key, str):
-        try:
-            return int(key.strip())
-        except ValueError:
-            return None
-    return None

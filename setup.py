@@ -1,23 +1,24 @@
 """Build hook: generate the gRPC stubs from protos/ and ship the protos inside the package."""
 
+import runpy
 import shutil
-import sys
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
+# The stub generator scripts/gen_protos.py runs, executed by path: importing meshlm.v1 would
+# refuse the missing or stale stubs it is about to write.
+GENERATOR = HERE / "services" / "common" / "meshlm" / "v1" / "_gen.py"
 
 
 class BuildWithStubs(build_py):
     def run(self) -> None:
-        sys.path.insert(0, str(HERE / "services" / "common" / "meshlm" / "v1"))
-        import _gen  # the generator module, loaded without importing the package
-
-        _gen.generate(HERE / "protos")
+        runpy.run_path(str(GENERATOR))["generate"](HERE / "protos")
         super().run()
         if not self.editable_mode:
+            # meshlm.v1 checks its stubs against these on import (see _gen.check).
             dest = Path(self.build_lib) / "meshlm" / "v1" / "protos" / "meshlm" / "v1"
             dest.mkdir(parents=True, exist_ok=True)
             for proto in (HERE / "protos" / "meshlm" / "v1").glob("*.proto"):

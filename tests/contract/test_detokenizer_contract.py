@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from meshlm.common import protocol
 from meshlm.detokenizer.config import DetokenizerConfig
 from meshlm.detokenizer.decoder import TokenizerDecoder
 from meshlm.detokenizer.service import SERVICE_NAME, RunningDetokenizer, start_detokenizer
@@ -64,32 +65,36 @@ def token_steps(decoder: TokenizerDecoder, rids: list[str]) -> list[scheduler_pb
         for rid in rids:
             if k >= len(ids[rid]):
                 continue
-            b.rids.append(rid)
-            b.origins.append(TEXTS[rid][0])
-            b.output_ids.add().ids.append(ids[rid][k])
-            b.token_offsets.append(k)
-            b.seeds.add(
-                present=k == 0, skip_special_tokens=True, spaces_between_special_tokens=True
+            d = b.deltas.add(
+                rid=rid, origin=TEXTS[rid][0], output_ids=[ids[rid][k]], token_offset=k,
+                completion_tokens=k + 1,
             )
-            b.finished_reasons.append(
-                LENGTH if k == len(ids[rid]) - 1 else common_pb2.FinishReason()
-            )
-            b.completion_tokens.append(k + 1)
+            if k == 0:
+                d.seed.CopyFrom(
+                    scheduler_pb2.DecodeSeed(
+                        skip_special_tokens=True, spaces_between_special_tokens=True
+                    )
+                )
+            if k == len(ids[rid]) - 1:
+                d.finish_reason.CopyFrom(LENGTH)
         steps.append(b)
     return steps
 
 
 def embeddings() -> scheduler_pb2.BatchEmbeddingOut:
-    e = scheduler_pb2.BatchEmbeddingOut(scheduler_id="s0", rids=["e1", "e2"], origins=["t1", "t2"])
-    e.embeddings.add(values=[0.25, -1.5])
-    e.embeddings.add(values=[3.0])
-    e.finished_reasons.extend([LENGTH, LENGTH])
+    e = scheduler_pb2.BatchEmbeddingOut(scheduler_id="s0")
+    e.results.add(rid="e1", origin="t1", embedding=[0.25, -1.5], finish_reason=LENGTH)
+    e.results.add(rid="e2", origin="t2", embedding=[3.0], finish_reason=LENGTH)
     return e
+
+
+def subscribe(stub: detokenizer_pb2_grpc.DetokenizerServiceStub, origin: str):
+    return stub.Subscribe(detokenizer_pb2.SubscribeRequest(hello=protocol.hello(origin)))
 
 
 async def push(stub: detokenizer_pb2_grpc.DetokenizerServiceStub, msgs: list) -> int:
     async def gen() -> AsyncIterator[detokenizer_pb2.DetokenizerInput]:
-        yield detokenizer_pb2.DetokenizerInput(hello_scheduler="s0")
+        yield detokenizer_pb2.DetokenizerInput(hello=protocol.hello("s0"))
         for m in msgs:
             if isinstance(m, scheduler_pb2.BatchTokenIDOut):
                 yield detokenizer_pb2.DetokenizerInput(tokens=m)
@@ -110,18 +115,17 @@ async def collect(
     done: set[str] = set()
     async for out in call:
         if out.HasField("strs"):
-            s = out.strs
-            for i, rid in enumerate(s.rids):
-                seen.add(rid)
-                assert s.text_offsets[i] == len(texts.get(rid, ""))
-                texts[rid] = texts.get(rid, "") + s.output_strs[i]
-                if s.finished_reasons[i].type != common_pb2.FINISH_TYPE_UNSPECIFIED:
-                    done.add(rid)
+            for d in out.strs.deltas:
+                seen.add(d.rid)
+                assert d.text_offset == len(texts.get(d.rid, ""))
+                texts[d.rid] = texts.get(d.rid, "") + d.text
+                if d.HasField("finish_reason"):
+                    done.add(d.rid)
         else:
-            for rid, e in zip(out.embeddings.rids, out.embeddings.embeddings):
-                seen.add(rid)
-                embs[rid] = list(e.values)
-                done.add(rid)
+            for r in out.embeddings.results:
+                seen.add(r.rid)
+                embs[r.rid] = list(r.embedding)
+                done.add(r.rid)
         if want_rids <= done:
             break
     return texts, embs, seen
@@ -130,8 +134,8 @@ async def collect(
 def test_each_subscriber_gets_only_its_own_requests(decoder) -> None:
     async def scenario(running: RunningDetokenizer, channel: grpc.aio.Channel) -> None:
         stub = detokenizer_pb2_grpc.DetokenizerServiceStub(channel)
-        sub1 = stub.Subscribe(detokenizer_pb2.SubscribeRequest(origin="t1"))
-        sub2 = stub.Subscribe(detokenizer_pb2.SubscribeRequest(origin="t2"))
+        sub1 = subscribe(stub, "t1")
+        sub2 = subscribe(stub, "t2")
         steps = token_steps(decoder, ["a", "b", "c", "d"])
         assert await push(stub, [*steps, embeddings()]) == len(steps) + 2
         (t1, e1, seen1), (t2, e2, seen2) = await asyncio.gather(
@@ -156,18 +160,14 @@ def test_each_subscriber_gets_only_its_own_requests(decoder) -> None:
 def test_late_subscriber_gets_held_outputs_within_hold_time(decoder) -> None:
     async def scenario(running: RunningDetokenizer, channel: grpc.aio.Channel) -> None:
         stub = detokenizer_pb2_grpc.DetokenizerServiceStub(channel)
-        expired = scheduler_pb2.BatchEmbeddingOut(rids=["old"], origins=["t2"])
-        expired.embeddings.add(values=[1.0])
+        expired = scheduler_pb2.BatchEmbeddingOut()
+        expired.results.add(rid="old", origin="t2", embedding=[1.0])
         await push(stub, [expired])
         await asyncio.sleep(1.2)  # past the hold time: dropped
         await push(stub, token_steps(decoder, ["a", "b"]))
         await asyncio.sleep(0.2)  # within the hold time: kept
-        texts1, _, _ = await collect(
-            stub.Subscribe(detokenizer_pb2.SubscribeRequest(origin="t1")), {"a"}
-        )
-        texts2, _, seen2 = await collect(
-            stub.Subscribe(detokenizer_pb2.SubscribeRequest(origin="t2")), {"b"}
-        )
+        texts1, _, _ = await collect(subscribe(stub, "t1"), {"a"})
+        texts2, _, seen2 = await collect(subscribe(stub, "t2"), {"b"})
         assert texts1 == {"a": TEXTS["a"][1]} and texts2 == {"b": TEXTS["b"][1]}
         assert "old" not in seen2
 
@@ -191,9 +191,46 @@ def test_health_reflection_and_bad_subscribe(decoder) -> None:
         assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
         stub = detokenizer_pb2_grpc.DetokenizerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.Subscribe(detokenizer_pb2.SubscribeRequest(origin="")):
+            async for _ in subscribe(stub, ""):
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    run_with_server(decoder, scenario)
+
+
+def test_a_peer_of_another_protocol_version_is_refused(decoder) -> None:
+    """Push and Subscribe refuse a hello of another version, or none (a protocol-1 peer), with
+    FAILED_PRECONDITION naming both versions."""
+    newer = common_pb2.Hello(peer_id="x", protocol_version=protocol.PROTOCOL_VERSION + 1)
+
+    async def refused(call) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        return err.value
+
+    async def read_all(call) -> None:
+        async for _ in call:
+            pass
+
+    async def scenario(running: RunningDetokenizer, channel: grpc.aio.Channel) -> None:
+        stub = detokenizer_pb2_grpc.DetokenizerServiceStub(channel)
+        pushes = [
+            iter([detokenizer_pb2.DetokenizerInput(hello=newer)]),
+            # A protocol-1 scheduler: `string hello_scheduler = 3`, unknown to this version.
+            iter([detokenizer_pb2.DetokenizerInput.FromString(bytes([3 << 3 | 2, 2]) + b"s1")]),
+        ]
+        subscribes = [
+            detokenizer_pb2.SubscribeRequest(hello=newer),
+            # A protocol-1 tokenizer: `string origin = 1`.
+            detokenizer_pb2.SubscribeRequest.FromString(bytes([1 << 3 | 2, 2]) + b"t1"),
+        ]
+        errors = [await refused(stub.Push(p)) for p in pushes]
+        errors += [await refused(read_all(stub.Subscribe(r))) for r in subscribes]
+        for e, theirs in zip(errors, [protocol.PROTOCOL_VERSION + 1, 1] * 2):
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+            assert f"speaks meshlm.v1 ring protocol {theirs}" in e.details()
+            assert f"this detokenizer speaks {protocol.PROTOCOL_VERSION}" in e.details()
+        assert not running.manager.has_subscriber("t1")
 
     run_with_server(decoder, scenario)
 
@@ -201,13 +238,13 @@ def test_health_reflection_and_bad_subscribe(decoder) -> None:
 def test_drain_flushes_subscribers_and_ends_pushes(decoder) -> None:
     async def scenario(running: RunningDetokenizer, channel: grpc.aio.Channel) -> None:
         stub = detokenizer_pb2_grpc.DetokenizerServiceStub(channel)
-        sub = stub.Subscribe(detokenizer_pb2.SubscribeRequest(origin="t1"))
+        sub = subscribe(stub, "t1")
         pusher = stub.Push()
-        await pusher.write(detokenizer_pb2.DetokenizerInput(hello_scheduler="s0"))
+        await pusher.write(detokenizer_pb2.DetokenizerInput(hello=protocol.hello("s0")))
         for b in token_steps(decoder, ["a"]):
             await pusher.write(detokenizer_pb2.DetokenizerInput(tokens=b))
-        marker = scheduler_pb2.BatchTokenIDOut(rids=["z"], origins=["t9"], token_offsets=[0])
-        marker.output_ids.add().ids.append(42)
+        marker = scheduler_pb2.BatchTokenIDOut()
+        marker.deltas.add(rid="z", origin="t9", output_ids=[42])
         await pusher.write(detokenizer_pb2.DetokenizerInput(tokens=marker))
         for _ in range(200):  # every step before the marker has been decoded
             if running.manager.detokenizer.status("z") is not None:
@@ -216,7 +253,7 @@ def test_drain_flushes_subscribers_and_ends_pushes(decoder) -> None:
         await running.stop(grace_s=3.0)
         text = ""
         async for out in sub:  # ends cleanly after everything queued was sent
-            text += "".join(out.strs.output_strs)
+            text += "".join(d.text for d in out.strs.deltas)
         assert text == TEXTS["a"][1]
         assert await sub.code() == grpc.StatusCode.OK
         with pytest.raises(grpc.aio.AioRpcError):

@@ -17,6 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from meshlm.common import protocol
+from meshlm.common.protocol import PROTOCOL_VERSION
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.service.config import SchedulerServiceConfig
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -123,14 +125,36 @@ def test_connect_sends_load_and_answers_controls_by_call_id(tok: TokenizerStream
                "a periodic load report")
 
 
-def test_first_message_must_be_hello(service: ServiceThread) -> None:
-    with grpc.insecure_channel(service.address) as ch:
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
-        call = stub.Connect(iter([scheduler_pb2.SchedulerInput(get_load=scheduler_pb2.GetLoadReq())]))
+def _connect_raw(address: str, first: bytes) -> grpc.RpcError:
+    """Open Connect with `first` as raw bytes (any peer, any protocol) and return its error."""
+    with grpc.insecure_channel(address) as ch:
+        connect = ch.stream_stream(
+            f"/{SERVICE}/Connect", request_serializer=lambda b: b,
+            response_deserializer=scheduler_pb2.SchedulerOutput.FromString,
+        )
         with pytest.raises(grpc.RpcError) as e:
-            list(call)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "hello_origin" in e.value.details()
+            list(connect(iter([first]), timeout=10))
+    return e.value
+
+
+def test_first_message_must_be_hello(service: ServiceThread) -> None:
+    err = _connect_raw(service.address, scheduler_pb2.SchedulerInput(get_load=scheduler_pb2.GetLoadReq()).SerializeToString())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be hello" in err.details()
+    nameless = scheduler_pb2.SchedulerInput(hello=protocol.hello(""))
+    assert _connect_raw(service.address, nameless.SerializeToString()).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_peer_of_another_protocol_version_is_refused(service: ServiceThread) -> None:
+    newer = scheduler_pb2.SchedulerInput(hello=common_pb2.Hello(peer_id="tok-new", protocol_version=PROTOCOL_VERSION + 1))
+    err = _connect_raw(service.address, newer.SerializeToString())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"speaks meshlm.v1 ring protocol {PROTOCOL_VERSION + 1}" in err.details()
+    assert f"this scheduler speaks {PROTOCOL_VERSION}" in err.details()
+    # A protocol-1 tokenizer opened with `string hello_origin = 9` (field 9, wire type 2).
+    old = bytes([9 << 3 | 2, len(b"tok-old")]) + b"tok-old"
+    err = _connect_raw(service.address, old)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol 1" in err.details() and f"speaks {PROTOCOL_VERSION}" in err.details()
 
 
 # ---- the ring ---------------------------------------------------------------------------------
@@ -139,15 +163,15 @@ def test_generate_reaches_detokenizer_with_origin_seed_offsets(tok: TokenizerStr
     tok.generate(rid, PROMPT, sampling_params=greedy(12, skip_special_tokens=False), stream=True,
                  trace=common_pb2.TraceContext(traceparent=TRACEPARENT))
     finish = detok.wait_finish(rid)
-    assert detok.snapshot()[0].hello_scheduler == "sched-test"
+    assert detok.hello().peer_id == "sched-test"
     entries = detok.entries(rid)
     assert len(entries) >= 2  # streamed: one delta per step
     assert {e["origin"] for e in entries} == {tok.origin}
     assert {e["scheduler_id"] for e in entries} == {"sched-test"}
     seed = entries[0]["seed"]
-    assert seed.present and list(seed.prompt_tail_ids) == PROMPT[-5:]
+    assert entries[0]["seeded"] and list(seed.prompt_tail_ids) == PROMPT[-5:]
     assert seed.skip_special_tokens is False and seed.spaces_between_special_tokens is True
-    assert not any(e["seed"].present for e in entries[1:])
+    assert not any(e["seeded"] for e in entries[1:])
     offset = 0
     for e in entries:  # contiguous deltas
         assert e["offset"] == offset
@@ -165,7 +189,7 @@ def test_non_streaming_request_emits_once(tok: TokenizerStream, detok: Recording
     tok.generate(rid, PROMPT, sampling_params=greedy(6), stream=False)
     detok.wait_finish(rid)
     entries = detok.entries(rid)
-    assert len(entries) == 1 and entries[0]["seed"].present and entries[0]["offset"] == 0
+    assert len(entries) == 1 and entries[0]["seeded"] and entries[0]["offset"] == 0
     assert len(entries[0]["ids"]) == 6
 
 
@@ -196,7 +220,7 @@ def test_bad_request_abort_travels_the_ring(tok: TokenizerStream, detok: Recordi
         f = detok.wait_finish(rid)
         assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 400
         assert field in f.message
-        assert detok.entries(rid)[0]["seed"].present
+        assert detok.entries(rid)[0]["seeded"]
         assert not tok.errors(rid)  # rejections travel around the ring, not on Connect
 
 
@@ -328,30 +352,29 @@ def test_detokenizer_failover_resyncs_and_completes(tiny_llama: str) -> None:
         active, standby = wait_until(
             lambda: (d1, d2) if d1.snapshot() else (d2, d1) if d2.snapshot() else None, 10, "a Push stream"
         )
-        assert active.snapshot()[0].hello_scheduler == "sched-failover"
+        assert active.hello().peer_id == "sched-failover"
         n = 250
         tok.generate("fo", PROMPT, sampling_params=greedy(n), stream=True)
         wait_until(lambda: len(active.entries("fo")) >= 2, 10, "fo to stream to the first detokenizer")
         active.kill()  # mid-generation
         finish = standby.wait_finish("fo", timeout=60)
         before = [i for e in active.entries("fo") for i in e["ids"]]
-        msgs = standby.snapshot()
-        assert msgs[0].hello_scheduler == "sched-failover"
+        assert standby.hello().peer_id == "sched-failover"
         entries = standby.entries("fo")
         resync = entries[0]
-        assert resync["seed"].present and list(resync["seed"].prompt_tail_ids) == PROMPT[-5:]
+        assert resync["seeded"] and list(resync["seed"].prompt_tail_ids) == PROMPT[-5:]
         assert resync["offset"] == 0 and resync["ids"][: len(before)] == before
         offset = 0
         for e in entries:
             assert e["offset"] == offset
             offset += len(e["ids"])
         assert offset == n and finish.type == common_pb2.FINISH_TYPE_LENGTH
-        assert not any(e["seed"].present for e in entries[1:])
+        assert not any(e["seeded"] for e in entries[1:])
         assert not tok.errors("fo")
         # The stream now goes to the standby: a new request arrives there with its seed.
         tok.generate("after-fo", PROMPT, sampling_params=greedy(3))
         standby.wait_finish("after-fo")
-        assert standby.entries("after-fo")[0]["seed"].present
+        assert standby.entries("after-fo")[0]["seeded"]
     finally:
         tok.cancel()
         service.stop()

@@ -1,6 +1,6 @@
 """A scripted SchedulerService for the tokenizer's contract tests.
 
-It speaks the real protocol (docs/ring.md): Connect (hello_origin, loads, control replies with
+It speaks the real protocol (docs/ring.md): Connect (hello, loads, control replies with
 call_id, RequestError), and pushes BatchTokenIDOut steps to a REAL detokenizer over Push, which
 delivers text to the tokenizer's Subscribe stream. What it generates is scripted: each request
 emits `tokens` one per step (up to max_new_tokens), then finishes with LENGTH.
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import grpc
+from meshlm.common import protocol
 from meshlm.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -87,7 +88,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         channel = grpc.aio.insecure_channel(self.detokenizer_addr)
 
         async def requests():
-            yield detokenizer_pb2.DetokenizerInput(hello_scheduler=self.scheduler_id)
+            yield detokenizer_pb2.DetokenizerInput(hello=protocol.hello(self.scheduler_id))
             while True:
                 yield await self._push_q.get()
 
@@ -105,36 +106,30 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         seed: bool,
         completion: int,
     ) -> None:
-        out = scheduler_pb2.BatchTokenIDOut(
-            scheduler_id=self.scheduler_id, rids=[req.rid], origins=[req.origin]
+        out = scheduler_pb2.BatchTokenIDOut(scheduler_id=self.scheduler_id)
+        d = out.deltas.add(
+            rid=req.rid, origin=req.origin, output_ids=ids, token_offset=offset,
+            prompt_tokens=len(req.input_ids), completion_tokens=completion, trace=req.trace,
         )
-        out.finished_reasons.append(finish or common_pb2.FinishReason())
-        out.output_ids.append(scheduler_pb2.TokenIds(ids=ids))
-        out.prompt_tokens.append(len(req.input_ids))
-        out.completion_tokens.append(completion)
-        out.cached_tokens.append(0)
+        if finish is not None:
+            d.finish_reason.CopyFrom(finish)
         sp = req.sampling_params
-        out.seeds.append(
-            scheduler_pb2.DecodeSeed(
-                present=seed,
-                prompt_tail_ids=list(req.input_ids[-5:]) if seed else [],
-                skip_special_tokens=sp.skip_special_tokens
-                if sp.HasField("skip_special_tokens")
-                else True,
-                spaces_between_special_tokens=True,
-                want_logprob_text=req.return_logprob,
+        if seed:
+            d.seed.CopyFrom(
+                scheduler_pb2.DecodeSeed(
+                    prompt_tail_ids=list(req.input_ids[-5:]),
+                    skip_special_tokens=sp.skip_special_tokens
+                    if sp.HasField("skip_special_tokens")
+                    else True,
+                    spaces_between_special_tokens=True,
+                    want_logprob_text=req.return_logprob,
+                )
             )
-        )
-        lp = common_pb2.LogprobDelta()
         if req.return_logprob:
             for k, t in enumerate(ids):
-                lp.output_token_logprobs.append(
+                d.logprobs.output_token_logprobs.append(
                     common_pb2.TokenLogprob(logprob=-0.5 - offset - k, token_id=t, has_logprob=True)
                 )
-        out.logprobs.append(lp)
-        out.traces.append(req.trace)
-        out.retraction_counts.append(0)
-        out.token_offsets.append(offset)
         self._push_q.put_nowait(detokenizer_pb2.DetokenizerInput(tokens=out))
 
     async def _run_request(self, req, conn_out: asyncio.Queue) -> None:
@@ -219,8 +214,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def Connect(self, request_iterator, context):
         first = await request_iterator.__anext__()
-        assert first.WhichOneof("msg") == "hello_origin", first
-        self.seen.origins.append(first.hello_origin)
+        assert first.WhichOneof("msg") == "hello", first
+        assert first.hello.protocol_version == protocol.PROTOCOL_VERSION, first
+        self.seen.origins.append(first.hello.peer_id)
         out: asyncio.Queue = asyncio.Queue()
         self._conn_outs.append(out)
         out.put_nowait(scheduler_pb2.SchedulerOutput(load=self.load))
@@ -236,20 +232,18 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 elif kind == "embed":
                     self.seen.embed.append(msg.embed)
                     e = msg.embed
+                    result = scheduler_pb2.EmbeddingOut(
+                        rid=e.rid,
+                        origin=e.origin,
+                        embedding=[float(len(e.input_ids)), 0.5],
+                        prompt_tokens=len(e.input_ids),
+                        finish_reason=common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_LENGTH),
+                        trace=e.trace,
+                    )
                     self._push_q.put_nowait(
                         detokenizer_pb2.DetokenizerInput(
                             embeddings=scheduler_pb2.BatchEmbeddingOut(
-                                scheduler_id=self.scheduler_id,
-                                rids=[e.rid],
-                                origins=[e.origin],
-                                embeddings=[
-                                    scheduler_pb2.Embedding(values=[float(len(e.input_ids)), 0.5])
-                                ],
-                                prompt_tokens=[len(e.input_ids)],
-                                finished_reasons=[
-                                    common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_LENGTH)
-                                ],
-                                traces=[e.trace],
+                                scheduler_id=self.scheduler_id, results=[result]
                             )
                         )
                     )

@@ -15,6 +15,7 @@ from typing import Iterator
 import grpc
 import pytest
 
+from meshlm.common import protocol
 from meshlm.launch.launcher import System
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -32,7 +33,7 @@ def scheduler_load(address: str):
     """The SchedulerLoad a scheduler sends first on a fresh Connect stream."""
 
     async def hello():  # keeps the stream open: ending it would end the scheduler's side too
-        yield scheduler_pb2.SchedulerInput(hello_origin="test-probe")
+        yield scheduler_pb2.SchedulerInput(hello=protocol.hello("test-probe"))
         await asyncio.sleep(30)
 
     async def run():

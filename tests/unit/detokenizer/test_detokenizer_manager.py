@@ -37,22 +37,29 @@ def step(entries: list[tuple], **extra) -> scheduler_pb2.BatchTokenIDOut:
     """entries: (rid, origin, ids, token_offset, seeded, finished)."""
     b = scheduler_pb2.BatchTokenIDOut(scheduler_id="s0")
     for rid, origin, ids, offset, seeded, finished in entries:
-        b.rids.append(rid)
-        b.origins.append(origin)
-        b.output_ids.add().ids.extend(ids)
-        b.token_offsets.append(offset)
-        b.seeds.add(
-            present=seeded,
-            skip_special_tokens=True,
-            spaces_between_special_tokens=True,
-            want_logprob_text=extra.get("want_logprob_text", False),
+        d = b.deltas.add(
+            rid=rid, origin=origin, output_ids=ids, token_offset=offset,
+            completion_tokens=offset + len(ids), prompt_tokens=7,
         )
-        b.finished_reasons.append(STOP if finished else common_pb2.FinishReason())
-        b.completion_tokens.append(offset + len(ids))
-        b.prompt_tokens.append(7)
+        if seeded:
+            d.seed.CopyFrom(scheduler_pb2.DecodeSeed(
+                skip_special_tokens=True,
+                spaces_between_special_tokens=True,
+                want_logprob_text=extra.get("want_logprob_text", False),
+            ))
+        if finished:
+            d.finish_reason.CopyFrom(STOP)
         if "traceparent" in extra:
-            b.traces.add(traceparent=extra["traceparent"])
+            d.trace.traceparent = extra["traceparent"]
     return b
+
+
+def texts(msg) -> list[str]:
+    return [d.text for d in msg.strs.deltas]
+
+
+def rids(msg) -> list[str]:
+    return [d.rid for d in msg.strs.deltas]
 
 
 def ids_of(decoder: TokenizerDecoder, text: str) -> list[int]:
@@ -77,11 +84,13 @@ def test_outputs_are_routed_per_origin_one_message_per_step(decoder) -> None:
         )
     )
     [m1], [m2] = drain_queue(s1), drain_queue(s2)
-    assert list(m1.strs.rids) == ["a", "c"] and list(m1.strs.output_strs) == [" alpha", " gamma"]
-    assert list(m2.strs.rids) == ["b"] and list(m2.strs.output_strs) == [" beta"]
-    assert list(m1.strs.prompt_tokens) == [7, 7] and list(m1.strs.text_offsets) == [0, 0]
-    assert m1.strs.finished_reasons[0].type == common_pb2.FINISH_TYPE_LENGTH
-    assert len(m1.strs.logprobs) == len(m1.strs.traces) == len(m1.strs.token_offsets) == 2
+    assert rids(m1) == ["a", "c"] and texts(m1) == [" alpha", " gamma"]
+    assert rids(m2) == ["b"] and texts(m2) == [" beta"]
+    assert [d.prompt_tokens for d in m1.strs.deltas] == [7, 7]
+    assert [d.text_offset for d in m1.strs.deltas] == [0, 0]
+    assert [d.completion_tokens for d in m1.strs.deltas] == [len(a), len(c)]
+    assert m1.strs.deltas[0].finish_reason.type == common_pb2.FINISH_TYPE_LENGTH
+    assert list(m1.strs.deltas[1].output_ids) == c and m1.strs.deltas[1].token_offset == 0
     assert len(m.detokenizer) == 0  # finished requests leave no state
 
 
@@ -92,7 +101,7 @@ def test_held_outputs_reach_a_late_subscriber_or_are_dropped(decoder, caplog) ->
     clock.now += 9.0
     assert m.sweep() == 0
     [msg] = drain_queue(m.subscribe("late"))
-    assert list(msg.strs.rids) == ["early"]
+    assert rids(msg) == ["early"]
     m.handle_tokens(step([("gone", "nobody", ids_of(decoder, " hi"), 0, True, True)]))
     clock.now += 10.5
     with caplog.at_level(logging.WARNING):
@@ -108,13 +117,13 @@ def test_resubscribe_moves_pending_and_ends_the_old_stream(decoder) -> None:
     new = m.subscribe("t1")
     assert old.queue.get_nowait() is None
     [msg] = drain_queue(new)
-    assert list(msg.strs.output_strs) == [" one"]
+    assert texts(msg) == [" one"]
     m.unsubscribe(old)  # the stale stream going away does not remove the new one
     assert m.has_subscriber("t1")
     m.handle_tokens(step([("a", "t1", ids_of(decoder, " two"), 1, False, False)]))
     m.unsubscribe(new)  # unsent outputs are held for the next subscriber
     [held] = drain_queue(m.subscribe("t1"))
-    assert list(held.strs.output_strs) == [" two"] and list(held.strs.text_offsets) == [4]
+    assert texts(held) == [" two"] and held.strs.deltas[0].text_offset == 4
 
 
 def test_stream_ends_on_drain_after_queued_outputs() -> None:
@@ -128,8 +137,8 @@ def test_stream_ends_on_drain_after_queued_outputs() -> None:
 
         task = asyncio.create_task(consume())
         await asyncio.sleep(0)
-        emb = scheduler_pb2.BatchEmbeddingOut(rids=["e"], origins=["t1"])
-        emb.embeddings.add(values=[0.5])
+        emb = scheduler_pb2.BatchEmbeddingOut()
+        emb.results.add(rid="e", origin="t1", embedding=[0.5])
         m.handle_embeddings(emb)
         await asyncio.wait_for(m.drain(), 2)
         await asyncio.wait_for(task, 2)
@@ -137,24 +146,22 @@ def test_stream_ends_on_drain_after_queued_outputs() -> None:
         return got
 
     [msg] = asyncio.run(run())
-    assert list(msg.embeddings.embeddings[0].values) == [0.5]
+    assert list(msg.embeddings.results[0].embedding) == [0.5]
 
 
 def test_embeddings_split_by_origin(decoder) -> None:
     m = DetokenizerManager(decoder)
     s1, s2 = m.subscribe("t1"), m.subscribe("t2")
-    emb = scheduler_pb2.BatchEmbeddingOut(
-        scheduler_id="s0", rids=["e1", "e2", "e3"], origins=["t1", "t2", "t1"]
-    )
-    for v in (1.0, 2.0, 3.0):
-        emb.embeddings.add(values=[v, -v])
-    emb.prompt_tokens.extend([3, 4, 5])
+    emb = scheduler_pb2.BatchEmbeddingOut(scheduler_id="s0")
+    for rid, origin, v, n in (("e1", "t1", 1.0, 3), ("e2", "t2", 2.0, 4), ("e3", "t1", 3.0, 5)):
+        emb.results.add(rid=rid, origin=origin, embedding=[v, -v], prompt_tokens=n)
     m.handle_embeddings(emb)
     [m1], [m2] = drain_queue(s1), drain_queue(s2)
-    assert list(m1.embeddings.rids) == ["e1", "e3"] and [
-        list(e.values) for e in m1.embeddings.embeddings
+    assert [r.rid for r in m1.embeddings.results] == ["e1", "e3"] and [
+        list(r.embedding) for r in m1.embeddings.results
     ] == [[1.0, -1.0], [3.0, -3.0]]
-    assert list(m2.embeddings.rids) == ["e2"] and list(m2.embeddings.prompt_tokens) == [4]
+    assert [(r.rid, r.prompt_tokens) for r in m2.embeddings.results] == [("e2", 4)]
+    assert m1.embeddings.scheduler_id == "s0"
 
 
 def test_logprob_text_only_when_asked(decoder) -> None:
@@ -163,13 +170,13 @@ def test_logprob_text_only_when_asked(decoder) -> None:
     ids = ids_of(decoder, "Hello world")
     for want in (True, False):
         b = step([("r", "t1", ids, 0, True, True)], want_logprob_text=want)
-        lp = b.logprobs.add()
+        lp = b.deltas[0].logprobs
         for i in ids:
             lp.output_token_logprobs.add(logprob=-0.5, token_id=i, has_logprob=True)
         lp.output_top_logprobs.add().entries.add(logprob=-0.1, token_id=ids[1])
         m.handle_tokens(b)
         [msg] = drain_queue(sub)
-        got = msg.strs.logprobs[0]
+        got = msg.strs.deltas[0].logprobs
         texts = [e.text for e in got.output_token_logprobs] + [
             got.output_top_logprobs[0].entries[0].text
         ]
@@ -181,7 +188,7 @@ def test_lost_state_finishes_with_an_error(decoder) -> None:
     sub = m.subscribe("t1")
     m.handle_tokens(step([("x", "t1", ids_of(decoder, " late"), 5, False, False)]))
     [msg] = drain_queue(sub)
-    reason = msg.strs.finished_reasons[0]
+    reason = msg.strs.deltas[0].finish_reason
     assert (
         reason.type == common_pb2.FINISH_TYPE_ABORT
         and reason.status_code == 500

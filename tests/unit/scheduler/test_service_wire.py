@@ -1,15 +1,21 @@
-"""wire.py: protobuf <-> io_struct round trips, SGLang defaults for unset fields, and the
-tracker's ring data (seeds, offsets, resync)."""
+"""wire.py: protobuf <-> io_struct round trips, SGLang defaults for unset fields, finish
+reasons, and the tracker's ring data (seeds, offsets, resync)."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
+from meshlm.common.finish import AbortStatus, FinishKind, FinishReason
 from meshlm.scheduler.managers.io_struct import (
+    BatchEmbeddingOut,
     BatchTokenIDOut,
     CloseSessionOutput,
+    EmbeddingOut,
     FlushCacheOutput,
     LoadReport,
+    LogprobDelta,
     OpenSessionOutput,
+    TokenDelta,
     TokenizedGenerateReqInput,
 )
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
@@ -71,73 +77,77 @@ def test_generate_request_round_trip() -> None:
 
 
 @pytest.mark.parametrize("reason", [
-    None,
-    {"type": "stop", "matched": 2},
-    {"type": "stop", "matched": "\n\n"},
-    {"type": "stop", "matched": None},
-    {"type": "length", "length": 17},
-    {"type": "abort", "message": "bad temperature", "status_code": 400, "err_type": "BadRequestError"},
-    {"type": "abort", "message": "Invalid request: session id s does not exist", "status_code": 404,
-     "err_type": "NotFoundError"},
-    {"type": "abort", "message": "queue full", "status_code": 503, "err_type": "ServiceUnavailableError"},
+    FinishReason.stopped(2),
+    FinishReason.stopped("\n\n"),
+    FinishReason.stopped(None),
+    FinishReason.at_length(17),
+    FinishReason.aborted("bad temperature", AbortStatus.BAD_REQUEST),
+    FinishReason.aborted("Invalid request: session id s does not exist", AbortStatus.NOT_FOUND),
+    FinishReason.aborted("queue full", AbortStatus.UNAVAILABLE),
 ])
-def test_finish_reason_round_trip(reason) -> None:
-    pb = wire.finish_reason_to_proto(reason)
-    assert wire.finish_reason_from_proto(common_pb2.FinishReason.FromString(pb.SerializeToString())) == reason
+def test_finish_reason_round_trip(reason: FinishReason) -> None:
+    pb = common_pb2.FinishReason.FromString(reason.to_proto().SerializeToString())
+    assert FinishReason.from_proto(pb) == reason
+
+
+def test_an_unset_finish_reason_is_not_finished() -> None:
+    assert FinishReason.from_proto(common_pb2.FinishReason()) is None
+    assert FinishReason.from_proto(scheduler_pb2.TokenDelta().finish_reason) is None
+
+
+def test_finish_reason_forms_and_errors() -> None:
+    """One type decides the SGLang dict and the error an ABORT becomes."""
+    assert FinishReason.stopped(2).to_json() == {"type": "stop", "matched": 2}
+    assert FinishReason.stopped("END").matched_str == "END" and FinishReason.stopped("END").matched_token is None
+    assert FinishReason.at_length(3).to_json() == {"type": "length", "length": 3}
+    abort = FinishReason.aborted("queue full", AbortStatus.UNAVAILABLE)
+    assert abort.kind is FinishKind.ABORT and abort.is_abort and not abort.is_cancelled
+    assert abort.to_json() == {"type": "abort", "message": "queue full", "status_code": 503}
+    assert (abort.grpc_code, abort.http_status) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 503)
+    cancelled = FinishReason.aborted("Aborted by the client", AbortStatus.CANCELLED)
+    assert cancelled.is_cancelled and cancelled.grpc_code == grpc.StatusCode.CANCELLED
+    unset = FinishReason.from_proto(common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_ABORT))
+    assert unset is not None and unset.grpc_code == grpc.StatusCode.CANCELLED and unset.http_status == 500
+    assert FinishReason.aborted("x", AbortStatus.BAD_REQUEST).grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _delta(rid: str, ids: list[int], finish: FinishReason | None = None, logprobs: bool = False) -> TokenDelta:
+    lp = None
+    if logprobs:
+        lp = LogprobDelta(
+            input_token_logprobs=[None, -1.5, -0.25], input_token_ids=[7, 8, 9],
+            input_top_logprobs=[[(-0.5, 3)], [(-0.75, 4), (-1.0, 5)]],
+            output_token_logprobs=[-0.125] * len(ids), output_top_logprobs=[[(-0.125, t)] for t in ids],
+            output_token_ids_logprobs=[[(-2.0, 11)] for _ in ids],
+        )
+    return TokenDelta(rid=rid, output_ids=list(ids), finish_reason=finish, prompt_tokens=4,
+                      completion_tokens=len(ids), cached_tokens=1, logprobs=lp)
 
 
 def _step(rids, ids, finished=None, logprobs=False) -> BatchTokenIDOut:
-    out = BatchTokenIDOut()
-    for k, rid in enumerate(rids):
-        out.rids.append(rid)
-        out.finished_reasons.append((finished or {}).get(rid))
-        out.output_ids.append(ids[k])
-        out.prompt_tokens.append(4)
-        out.completion_tokens.append(len(ids[k]))
-        out.cached_tokens.append(1)
-        out.retraction_counts.append(0)
-        out.prompt_tail_ids.append([])
-        if logprobs:
-            out.input_token_logprobs.append([None, -1.5, -0.25])
-            out.input_token_ids.append([7, 8, 9])
-            out.input_top_logprobs.append([[(-0.5, 3)], [(-0.75, 4), (-1.0, 5)]])
-            out.input_token_ids_logprobs.append([])
-            out.output_token_logprobs.append([-0.125] * len(ids[k]))
-            out.output_top_logprobs.append([[(-0.125, t)] for t in ids[k]])
-            out.output_token_ids_logprobs.append([[(-2.0, 11)] for _ in ids[k]])
-        else:
-            for name in ("input_token_logprobs", "input_token_ids", "input_top_logprobs", "input_token_ids_logprobs",
-                         "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
-                getattr(out, name).append([])
-    return out
+    return BatchTokenIDOut([_delta(rid, ids[k], (finished or {}).get(rid), logprobs) for k, rid in enumerate(rids)])
 
 
-def test_batch_token_id_out_round_trip_with_logprobs() -> None:
-    out = _step(["a", "b"], [[10, 11], [12]], finished={"b": {"type": "length", "length": 1}}, logprobs=True)
-    pb = wire.batch_token_id_out_to_proto(
-        out, scheduler_id="s0", indices=[0, 1], origins=["t0", "t1"],
-        seeds=[wire.decode_seed([1, 2, 3, 4, 5, 6, 7], SamplingParams()), None], token_offsets=[0, 5],
-        traces=[None, common_pb2.TraceContext(traceparent="tp")],
-    )
-    pb = scheduler_pb2.BatchTokenIDOut.FromString(pb.SerializeToString())
-    assert list(pb.origins) == ["t0", "t1"] and list(pb.token_offsets) == [0, 5]
-    assert pb.seeds[0].present and list(pb.seeds[0].prompt_tail_ids) == [3, 4, 5, 6, 7]
-    assert not pb.seeds[1].present and pb.traces[1].traceparent == "tp"
-    first = pb.logprobs[0].input_token_logprobs[0]
+def test_token_delta_round_trip_with_logprobs() -> None:
+    delta = _delta("b", [10, 11], FinishReason.at_length(2), logprobs=True)
+    delta.retraction_count = 1
+    seed = wire.decode_seed([1, 2, 3, 4, 5, 6, 7], SamplingParams())
+    pb = wire.token_delta_to_proto(delta, origin="t0", token_offset=5, seed=seed,
+                                   trace=common_pb2.TraceContext(traceparent="tp"))
+    pb = scheduler_pb2.TokenDelta.FromString(pb.SerializeToString())
+    assert (pb.rid, pb.origin, pb.token_offset, pb.trace.traceparent) == ("b", "t0", 5, "tp")
+    assert pb.HasField("seed") and list(pb.seed.prompt_tail_ids) == [3, 4, 5, 6, 7]
+    first = pb.logprobs.input_token_logprobs[0]
     assert first.has_logprob is False and first.token_id == 7  # the first prompt token has no logprob
-    assert [t.has_logprob for t in pb.logprobs[0].input_token_logprobs] == [False, True, True]
-    assert wire.batch_token_id_out_from_proto(pb) == BatchTokenIDOut(
-        **{**out.__dict__, "times": [], "prompt_tail_ids": []}
-    )
+    assert [t.has_logprob for t in pb.logprobs.input_token_logprobs] == [False, True, True]
+    assert [t.token_id for t in pb.logprobs.output_token_logprobs] == [10, 11]
+    assert wire.token_delta_from_proto(pb) == delta
 
 
-def test_batch_subset_by_indices() -> None:
-    out = _step(["a", "b", "c"], [[1], [2], [3]])
-    pb = wire.batch_token_id_out_to_proto(
-        out, scheduler_id="s", indices=[2], origins=["o"], seeds=[None], token_offsets=[9], traces=[None],
-    )
-    assert list(pb.rids) == ["c"] and [list(x.ids) for x in pb.output_ids] == [[3]]
-    assert pb.logprobs[0] == common_pb2.LogprobDelta()
+def test_a_running_delta_without_logprobs_leaves_its_fields_unset() -> None:
+    pb = wire.token_delta_to_proto(_delta("a", [3]), origin="o", token_offset=9, seed=None, trace=None)
+    assert not pb.HasField("seed") and not pb.HasField("finish_reason") and not pb.HasField("logprobs")
+    assert list(pb.output_ids) == [3] and wire.token_delta_from_proto(pb).logprobs is None
 
 
 def test_control_replies() -> None:
@@ -155,37 +165,41 @@ def test_control_replies() -> None:
 
 
 # ---- tracker --------------------------------------------------------------------------------
-def _tracked(rid: str, logprobs: bool = False) -> TrackedRequest:
+def _tracked(rid: str, embedding: bool = False) -> TrackedRequest:
     return TrackedRequest(
         rid=rid, origin="tok", conn_id=1, trace=common_pb2.TraceContext(),
-        seed=wire.decode_seed([1, 2, 3], SamplingParams()), want_logprobs=logprobs,
+        seed=wire.decode_seed([1, 2, 3], SamplingParams()), is_embedding=embedding,
     )
 
 
 def test_tracker_offsets_seeds_and_resync() -> None:
     tr = RequestTracker(retention_s=30)
-    tr.add(_tracked("a", logprobs=True))
+    tr.add(_tracked("a"))
     tr.add(_tracked("b"))
     tr.add(_tracked("quiet"))  # never emits
     pb1, _ = tr.token_out(_step(["a", "b"], [[10], [20]], logprobs=True), "s")
-    assert [s.present for s in pb1.seeds] == [True, True] and list(pb1.token_offsets) == [0, 0]
-    pb2, _ = tr.token_out(_step(["a", "b"], [[11, 12], [21]], finished={"b": {"type": "length", "length": 2}},
+    assert [d.HasField("seed") for d in pb1.deltas] == [True, True]
+    assert [d.token_offset for d in pb1.deltas] == [0, 0]
+    pb2, _ = tr.token_out(_step(["a", "b"], [[11, 12], [21]], finished={"b": FinishReason.at_length(2)},
                                 logprobs=True), "s")
-    assert [s.present for s in pb2.seeds] == [False, False] and list(pb2.token_offsets) == [1, 1]
+    assert [d.HasField("seed") for d in pb2.deltas] == [False, False]
+    assert [d.token_offset for d in pb2.deltas] == [1, 1]
     assert tr.is_live("a") and not tr.is_live("b") and tr.num_live() == 2
     # outputs after a finish (or for unknown rids) are dropped
     pb3, tracked = tr.token_out(_step(["b", "zzz"], [[99], [98]]), "s")
-    assert not pb3.rids and not tracked
+    assert not pb3.deltas and not tracked
 
     (resync,) = tr.resync("s")
-    assert list(resync.rids) == ["a", "b"]  # "quiet" did not emit: it will seed on its first output
-    assert all(s.present for s in resync.seeds) and list(resync.token_offsets) == [0, 0]
-    assert [list(x.ids) for x in resync.output_ids] == [[10, 11, 12], [20, 21]]
-    assert resync.finished_reasons[1].type == common_pb2.FINISH_TYPE_LENGTH
-    assert [t.token_id for t in resync.logprobs[0].output_token_logprobs] == [10, 11, 12]
-    assert len(resync.logprobs[0].input_token_logprobs) == 6  # accumulated: sent with each step here
+    assert [d.rid for d in resync.deltas] == ["a", "b"]  # "quiet" did not emit: it will seed on its first output
+    assert all(d.HasField("seed") for d in resync.deltas) and [d.token_offset for d in resync.deltas] == [0, 0]
+    assert [list(d.output_ids) for d in resync.deltas] == [[10, 11, 12], [20, 21]]
+    assert resync.deltas[1].finish_reason.type == common_pb2.FINISH_TYPE_LENGTH
+    assert not resync.deltas[0].HasField("finish_reason")
+    assert [t.token_id for t in resync.deltas[0].logprobs.output_token_logprobs] == [10, 11, 12]
+    assert len(resync.deltas[0].logprobs.input_token_logprobs) == 6  # accumulated: sent with each step here
     pb4, _ = tr.token_out(_step(["a", "quiet"], [[13], [30]]), "s")
-    assert [s.present for s in pb4.seeds] == [False, True] and list(pb4.token_offsets) == [3, 0]
+    assert [d.HasField("seed") for d in pb4.deltas] == [False, True]
+    assert [d.token_offset for d in pb4.deltas] == [3, 0]
 
     # finished requests are kept for retention_s, then forgotten
     b = tr.get("b")
@@ -193,10 +207,35 @@ def test_tracker_offsets_seeds_and_resync() -> None:
     assert tr.expire(b.finished_at + 29) == 0 and tr.expire(b.finished_at + 31) == 1 and tr.get("b") is None
 
 
+def test_tracker_resync_resends_the_same_message_as_the_steps() -> None:
+    """The resync's delta is built by the same builder: with one step, it equals that step's delta."""
+    tr = RequestTracker()
+    tr.add(_tracked("a"))
+    step, _ = tr.token_out(_step(["a"], [[5, 6]], finished={"a": FinishReason.stopped(6)}, logprobs=True), "s")
+    (resync,) = tr.resync("s")
+    assert resync.deltas[0] == step.deltas[0]
+
+
+def test_tracker_embeddings_and_rejected_embeddings() -> None:
+    tr = RequestTracker()
+    tr.add(_tracked("e", embedding=True))
+    tr.add(_tracked("bad", embedding=True))
+    pb, tracked = tr.embedding_out(
+        BatchEmbeddingOut([EmbeddingOut("e", [0.5, -1.0], 3, FinishReason.at_length(0))]), "s"
+    )
+    assert [r.rid for r in pb.results] == ["e"] and list(pb.results[0].embedding) == [0.5, -1.0]
+    assert pb.results[0].origin == "tok" and tracked[0].finished
+    # the loop rejects an embedding request with a token delta
+    tr.token_out(_step(["bad"], [[]], finished={"bad": FinishReason.aborted("input must not be empty")}), "s")
+    tokens, embeds = tr.resync("s")
+    assert [d.rid for d in tokens.deltas] == ["bad"] and tokens.deltas[0].finish_reason.status_code == 400
+    assert [r.rid for r in embeds.results] == ["e"] and embeds.results[0].prompt_tokens == 3
+
+
 def test_tracker_uses_the_loops_prompt_tail_for_seeds() -> None:
     tr = RequestTracker()
     tr.add(_tracked("turn2"))
     step = _step(["turn2"], [[5]])
-    step.prompt_tail_ids[0] = [40, 41, 42, 43, 44]  # a session turn: the loop built the prompt
+    step.deltas[0].prompt_tail_ids = [40, 41, 42, 43, 44]  # a session turn: the loop built the prompt
     pb, _ = tr.token_out(step, "s")
-    assert list(pb.seeds[0].prompt_tail_ids) == [40, 41, 42, 43, 44]
+    assert list(pb.deltas[0].seed.prompt_tail_ids) == [40, 41, 42, 43, 44]

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from meshlm.common.finish import FinishReason
 from meshlm.scheduler.managers.io_struct import (
     CloseSessionReq,
     OpenSessionReq,
     TokenizedGenerateReqInput,
 )
-from meshlm.scheduler.managers.req import FinishLength, Req
+from meshlm.scheduler.managers.req import Req
 from meshlm.scheduler.managers.session_controller import SessionController
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ def admit(sc: SessionController, recv: TokenizedGenerateReqInput, outputs: list[
     sc.add_req(recv, req)
     if outputs is not None:
         req.output_ids = list(outputs)
-        req.finished_reason = FinishLength(len(outputs))
+        req.finished_reason = FinishReason.at_length(len(outputs))
     return req
 
 

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 from opentelemetry.trace import Span, Status, StatusCode
 
 from meshlm.common import telemetry
-from meshlm.detokenizer.batches import split_embeddings, str_outputs, token_deltas
+from meshlm.detokenizer.batches import split_embeddings, str_outputs, token_delta
 from meshlm.detokenizer.decoder import TextDecoder
 from meshlm.detokenizer.incremental import IncrementalDetokenizer, TextDelta
 from meshlm.detokenizer.metrics import DetokenizerMetrics
@@ -57,7 +57,9 @@ class Subscription:
 
 
 def _rids(msg: Output) -> list[str]:
-    return list(msg.strs.rids if msg.HasField("strs") else msg.embeddings.rids)
+    if msg.HasField("strs"):
+        return [d.rid for d in msg.strs.deltas]
+    return [r.rid for r in msg.embeddings.results]
 
 
 class DetokenizerManager:
@@ -85,7 +87,7 @@ class DetokenizerManager:
     # ---- inputs from schedulers -------------------------------------------------------------
     def handle_tokens(self, batch: scheduler_pb2.BatchTokenIDOut) -> None:
         """Decode one step and deliver its text, one BatchStrOut per origin."""
-        results = self.detokenizer.step(token_deltas(batch))
+        results = self.detokenizer.step([token_delta(d) for d in batch.deltas])
         self._trace(batch, results)
         for origin, out in str_outputs(batch, results, self.decoder).items():
             self.deliver(origin, Output(strs=out))
@@ -198,37 +200,34 @@ class DetokenizerManager:
     def _trace(
         self, batch: scheduler_pb2.BatchTokenIDOut, results: Sequence[Optional[TextDelta]]
     ) -> None:
-        for i, r in enumerate(results):
+        for delta, r in zip(batch.deltas, results, strict=True):
             if r is None:
                 continue
             if r.started:
                 self._end_span(r.rid)
-                trace = batch.traces[i] if i < len(batch.traces) else None
-                if trace is not None and trace.traceparent:
-                    origin = batch.origins[i] if i < len(batch.origins) else ""
+                if delta.trace.traceparent:
                     self._spans[r.rid] = telemetry.start_span(
                         "detokenize",
-                        trace.traceparent,
-                        trace.tracestate,
-                        attributes={"meshlm.rid": r.rid, "meshlm.origin": origin},
+                        delta.trace.traceparent,
+                        delta.trace.tracestate,
+                        attributes={"meshlm.rid": r.rid, "meshlm.origin": delta.origin},
                     )
             if r.finished:
-                reason = batch.finished_reasons[i] if i < len(batch.finished_reasons) else None
-                self._end_span(r.rid, r, reason)
+                self._end_span(r.rid, r, common_pb2.FinishType.Name(delta.finish_reason.type))
 
     def _end_span(
         self,
         rid: str,
         result: Optional[TextDelta] = None,
-        reason: Optional[common_pb2.FinishReason] = None,
+        finish_type: Optional[str] = None,
     ) -> None:
         span = self._spans.pop(rid, None)
         if span is None:
             return
         if result is not None and result.error is not None:
             span.set_status(Status(StatusCode.ERROR, result.error))
-        elif reason is not None:
-            span.set_attribute("meshlm.finish_type", common_pb2.FinishType.Name(reason.type))
+        elif finish_type is not None:
+            span.set_attribute("meshlm.finish_type", finish_type)
         if result is not None:
             span.set_attribute("meshlm.output_tokens", result.token_offset + len(result.ids))
         span.end()

@@ -1,7 +1,8 @@
 """The gRPC edge of the detokenizer: `DetokenizerServicer` (Push, Subscribe) and `serve`.
 
-The servicer only moves messages between gRPC and `DetokenizerManager`. Drain (SIGTERM): health
-NOT_SERVING, Push streams end (their schedulers move to another detokenizer and re-send), every
+The servicer only moves messages between gRPC and `DetokenizerManager`; every stream opens with
+a Hello, and a peer of another protocol version is refused (FAILED_PRECONDITION). Drain
+(SIGTERM): health NOT_SERVING, Push streams end (their schedulers move to another detokenizer and re-send), every
 Subscribe stream ends after what is queued for it has been sent, then the server stops; exit 0.
 """
 
@@ -15,6 +16,8 @@ from typing import AsyncIterator, Optional
 
 import grpc
 
+from meshlm.common import protocol
+from meshlm.common.errors import ServiceError
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.telemetry import setup_telemetry, shutdown_telemetry
 from meshlm.detokenizer.config import DetokenizerConfig
@@ -53,9 +56,16 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 count += 1
-                if kind == "hello_scheduler":
-                    scheduler_id = msg.hello_scheduler
+                if count == 1:
+                    try:
+                        scheduler_id = protocol.check_hello(kind, msg.hello, "detokenizer", "Push")
+                    except ServiceError as e:
+                        logger.warning("refused a Push stream: %s", e.message)
+                        await context.abort(e.code, e.message)
                     logger.info("scheduler %s connected", scheduler_id)
+                    continue
+                if kind == "hello":
+                    logger.warning("scheduler %s sent hello twice; ignored", scheduler_id)
                     continue
                 try:
                     if kind == "tokens":
@@ -76,16 +86,18 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
     async def Subscribe(
         self, request: detokenizer_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[detokenizer_pb2.DetokenizerOutput]:
-        if not request.origin:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "origin must be a non-empty tokenizer id"
-            )
+        kind = "hello" if request.HasField("hello") else None
+        try:
+            origin = protocol.check_hello(kind, request.hello, "detokenizer", "Subscribe")
+        except ServiceError as e:
+            logger.warning("refused a Subscribe stream: %s", e.message)
+            await context.abort(e.code, e.message)
         if self.manager.closing:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "detokenizer is draining; subscribe to another replica"
             )
-        logger.info("origin %s subscribed", request.origin)
-        async with contextlib.aclosing(self.manager.stream(request.origin)) as outputs:
+        logger.info("origin %s subscribed", origin)
+        async with contextlib.aclosing(self.manager.stream(origin)) as outputs:
             async for msg in outputs:
                 yield msg
 

@@ -28,7 +28,15 @@ from meshlm.gateway.grpc_client import (
     sampling_params,
     trace_context,
 )
-from meshlm.gateway.outputs import SSE_DONE, Output, abort_error, input_logprob_values, is_abort, sse, sse_response
+from meshlm.gateway.outputs import (
+    SSE_DONE,
+    Output,
+    abort_error,
+    first_abort,
+    input_logprob_values,
+    sse,
+    sse_response,
+)
 from meshlm.gateway.state import GatewayState, get_state
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
@@ -314,10 +322,11 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     except ClientDisconnected:
         return Response(status_code=499)
     for s in streams:
-        if is_abort(s.first) and s.first.meta_info.finish_reason.status_code != 499:
+        abort = first_abort(s.first)
+        if abort is not None and not abort.is_cancelled:
             for other in streams:
                 other.cancel()
-            raise abort_error(s.first.meta_info.finish_reason)
+            raise abort_error(abort)
     return sse_response(_stream_events(streams, offsets, body, with_index),
                         on_close=lambda: [s.cancel() for s in streams])
 
@@ -330,8 +339,8 @@ async def _collect(st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest],
         async for response in merged:
             out = outputs.setdefault(response.index, Output(response.index))
             out.add(response)
-            if out.aborted and out.finish.status_code != 499:  # a user abort returns its output
-                raise abort_error(out.finish)
+            if out.abort is not None and not out.abort.is_cancelled:  # a user abort returns its output
+                raise abort_error(out.abort)
     finally:
         await merged.aclose()
     return outputs

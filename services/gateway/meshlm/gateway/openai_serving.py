@@ -59,8 +59,8 @@ from meshlm.gateway.outputs import (
     SSE_DONE,
     Output,
     abort_error,
+    first_abort,
     input_logprob_values,
-    is_abort,
     sse,
     sse_error,
     sse_response,
@@ -138,8 +138,8 @@ async def collect(st: GatewayState, greq: tokenizer_pb2.GenerateRequest) -> dict
         async for response in stream:
             out = outputs.get(response.index) or outputs.setdefault(response.index, Output(response.index))
             out.add(response)
-            if out.aborted:
-                raise abort_error(out.finish)
+            if out.abort is not None:
+                raise abort_error(out.abort)
     finally:
         stream.cancel()
     return outputs
@@ -167,9 +167,10 @@ async def open_sse_stream(
     stream = await open_stream(request, st, greq)
     if stream is None:
         return disconnected()
-    if is_abort(stream.first):
+    abort = first_abort(stream.first)
+    if abort is not None:
         stream.cancel()
-        raise abort_error(stream.first.meta_info.finish_reason)
+        raise abort_error(abort)
     return stream
 
 
@@ -189,8 +190,8 @@ async def choice_events(
             first = response.index not in outputs
             out = outputs.setdefault(response.index, Output(response.index))
             out.add(response)
-            if out.aborted:
-                err = abort_error(out.finish)
+            if out.abort is not None:
+                err = abort_error(out.abort)
                 yield sse_error(err.status, err.message)
                 break
             for event in on_response(out, response, first):

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi.responses import StreamingResponse
 
+from meshlm.common.finish import FinishKind, FinishReason
 from meshlm.gateway.errors import APIError, error_body
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
@@ -22,24 +23,23 @@ LOGPROB_FIELDS = (
     "output_top_logprobs",
     "output_token_ids_logprobs",
 )
-_FINISH_NAMES = {
-    common_pb2.FINISH_TYPE_STOP: "stop",
-    common_pb2.FINISH_TYPE_LENGTH: "length",
-    common_pb2.FINISH_TYPE_ABORT: "abort",
-}
 
 
-def abort_error(finish: common_pb2.FinishReason) -> APIError:
-    status = finish.status_code if finish.status_code >= 400 else 500
-    return APIError(status, finish.message or "the request was aborted")
+def abort_error(finish: FinishReason) -> APIError:
+    return APIError(finish.http_status, finish.message or "the request was aborted")
 
 
-def is_abort(response: Optional[tokenizer_pb2.GenerateResponse]) -> bool:
-    return (
-        response is not None
-        and response.finished
-        and response.meta_info.finish_reason.type == common_pb2.FINISH_TYPE_ABORT
-    )
+def response_finish(response: Optional[tokenizer_pb2.GenerateResponse]) -> Optional[FinishReason]:
+    """The finish reason of a response (None while its output runs)."""
+    if response is None or not response.finished:
+        return None
+    return FinishReason.from_proto(response.meta_info.finish_reason)
+
+
+def first_abort(response: Optional[tokenizer_pb2.GenerateResponse]) -> Optional[FinishReason]:
+    """The ABORT a stream's first response ends with, if it does."""
+    finish = response_finish(response)
+    return finish if finish is not None and finish.is_abort else None
 
 
 class Output:
@@ -51,7 +51,7 @@ class Output:
         self.text = ""
         self.output_ids: list[int] = []
         self.finished = False
-        self.finish: Optional[common_pb2.FinishReason] = None
+        self.finish: Optional[FinishReason] = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -76,36 +76,27 @@ class Output:
                 self.logprobs[name].extend(getattr(meta.logprobs, name))
         if response.finished:
             self.finished = True
-            self.finish = meta.finish_reason
+            self.finish = response_finish(response)
 
     @property
-    def aborted(self) -> bool:
-        return self.finish is not None and self.finish.type == common_pb2.FINISH_TYPE_ABORT
+    def abort(self) -> Optional[FinishReason]:
+        """The ABORT the output ended with, if it did."""
+        return self.finish if self.finish is not None and self.finish.is_abort else None
 
     def openai_finish_reason(self) -> Optional[str]:
         """stop | length (None while running; an abort is an error, not a finish reason)."""
         if not self.finished or self.finish is None:
             return None
-        return "length" if self.finish.type == common_pb2.FINISH_TYPE_LENGTH else "stop"
+        return "length" if self.finish.kind is FinishKind.LENGTH else "stop"
 
     def matched_stop(self) -> Optional[Union[int, str]]:
-        if self.finish is None:
-            return None
-        which = self.finish.WhichOneof("matched")
-        return getattr(self.finish, which) if which else None
+        return self.finish.matched if self.finish is not None else None
 
     def sglang_finish_reason(self) -> Optional[dict[str, Any]]:
-        """SGLang's finish_reason dict: {"type": "stop", "matched": ...} | {"type": "length", "length": N} |
-        {"type": "abort", "message", "status_code"}; None while running."""
+        """SGLang's finish_reason dict (FinishReason.to_json); None while running."""
         if not self.finished or self.finish is None:
             return None
-        f = self.finish
-        kind = _FINISH_NAMES.get(f.type, "stop")
-        if kind == "length":
-            return {"type": "length", "length": f.length or self.completion_tokens}
-        if kind == "abort":
-            return {"type": "abort", "message": f.message, "status_code": f.status_code or None}
-        return {"type": "stop", "matched": self.matched_stop()}
+        return self.finish.to_json()
 
 
 def input_logprob_values(entries: list[common_pb2.TokenLogprob]) -> list[Optional[float]]:

@@ -1,8 +1,9 @@
 """Engine: the scheduler loop in a background thread, driven in-process through its port.
 
 Used by the scheduler service, the tests and the benchmarks. Requests go in as
-TokenizedGenerateReqInput; BatchTokenIDOut deltas come back on the loop thread and are routed
-to each request's asyncio queue. Text is produced here with an incremental decode that holds
+TokenizedGenerateReqInput; each BatchTokenIDOut's TokenDeltas come back on the loop thread and
+are routed to their request's asyncio queue (as are EmbeddingOuts, and a RequestError when the
+loop crashes). Text is produced here with an incremental decode that holds
 back an incomplete UTF-8 character (trailing U+FFFD) and trims a matched stop string.
 """
 
@@ -15,14 +16,16 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
+from meshlm.common.finish import FinishReason
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
     CloseSessionOutput,
+    EmbeddingOut,
     CloseSessionReq,
     FlushCacheOutput,
     FlushCacheReq,
@@ -31,6 +34,7 @@ from meshlm.scheduler.managers.io_struct import (
     OpenSessionOutput,
     OpenSessionReq,
     PrefilledReq,
+    TokenDelta,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -48,11 +52,19 @@ class RequestError(Exception):
         self.message = message
         self.status_code = status_code
 
+    @staticmethod
+    def of_abort(reason: FinishReason) -> "RequestError":
+        return RequestError(reason.message, reason.status_code)
+
+
+# What a request's queue receives: its deltas (or its embedding), or the error that ends it.
+ReqEvent = Union[TokenDelta, EmbeddingOut, RequestError]
+
 
 @dataclass
 class _ReqState:
     loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[dict[str, Any]]"
+    queue: "asyncio.Queue[ReqEvent]"
     sampling_params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # text already yielded
@@ -93,20 +105,18 @@ class Engine:
             controls = list(self._controls.values())
             self._controls.clear()
         for rid, st in states:
-            st.loop.call_soon_threadsafe(
-                st.queue.put_nowait, {"error": RequestError("scheduler loop crashed", 500)}
-            )
+            st.loop.call_soon_threadsafe(st.queue.put_nowait, RequestError("scheduler loop crashed", 500))
         for fut in controls:
             fut.set_exception(RequestError("scheduler loop crashed", 500))
 
     # ---- loop-thread callbacks ------------------------------------------------------------
     def _on_output(self, msg: Any) -> None:
         if isinstance(msg, BatchTokenIDOut):
-            for i, rid in enumerate(msg.rids):
-                self._deliver(rid, {"kind": "tokens", "msg": msg, "i": i})
+            for delta in msg.deltas:
+                self._deliver(delta.rid, delta)
         elif isinstance(msg, BatchEmbeddingOut):
-            for i, rid in enumerate(msg.rids):
-                self._deliver(rid, {"kind": "embedding", "msg": msg, "i": i})
+            for result in msg.results:
+                self._deliver(result.rid, result)
         elif isinstance(msg, PrefilledReq):
             self._hand_over(msg)
 
@@ -120,7 +130,7 @@ class Engine:
             return
         crashed = self._decode._adopt(msg.req.rid, st)
         if crashed is not None:
-            st.loop.call_soon_threadsafe(st.queue.put_nowait, {"error": RequestError(crashed, 500)})
+            st.loop.call_soon_threadsafe(st.queue.put_nowait, RequestError(crashed, 500))
             return
         self._decode.port.put(msg)
 
@@ -132,7 +142,7 @@ class Engine:
                 self._states[rid] = st
             return self._crashed
 
-    def _deliver(self, rid: str, item: dict[str, Any]) -> None:
+    def _deliver(self, rid: str, item: ReqEvent) -> None:
         with self._lock:
             st = self._states.get(rid)
         if st is not None:
@@ -211,28 +221,27 @@ class Engine:
         try:
             while not finished:
                 item = await st.queue.get()
-                if "error" in item:
-                    raise item["error"]
-                delta = self._token_delta(rid, st, item["msg"], item["i"])
-                finished = delta["finished"]
-                yield delta
+                if isinstance(item, RequestError):
+                    raise item
+                assert isinstance(item, TokenDelta)
+                out = self._output(rid, st, item)
+                finished = out["finished"]
+                yield out
         finally:
             self._unregister(rid)
             if not finished:
                 self.abort(rid)
 
-    def _token_delta(self, rid: str, st: _ReqState, msg: BatchTokenIDOut, i: int) -> dict[str, Any]:
-        reason = msg.finished_reasons[i]
-        if reason is not None and reason.get("type") == "abort":
-            raise RequestError(reason.get("message", "aborted"), int(reason.get("status_code", 500)))
-        new_ids = msg.output_ids[i]
+    def _output(self, rid: str, st: _ReqState, delta: TokenDelta) -> dict[str, Any]:
+        """One delta as the caller sees it: new text (incremental decode), ids, meta_info."""
+        reason = delta.finish_reason
+        if reason is not None and reason.is_abort:
+            raise RequestError.of_abort(reason)
+        new_ids = delta.output_ids
         st.output_ids.extend(new_ids)
         sp = st.sampling_params
         ids = st.output_ids
-        if (
-            reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
-            and not sp.no_stop_trim
-        ):
+        if reason is not None and reason.matched_token is not None and not sp.no_stop_trim:
             ids = ids[:-1]  # a matched stop token is not part of the text (unless no_stop_trim)
         full = self.tokenizer.decode(
             ids, skip_special_tokens=sp.skip_special_tokens,
@@ -240,26 +249,28 @@ class Engine:
         ) if ids else ""
         if reason is None:
             full = full.rstrip("\ufffd")  # hold back an incomplete UTF-8 character
-        elif reason.get("type") == "stop" and isinstance(reason.get("matched"), str) and not sp.no_stop_trim:
-            pos = full.find(reason["matched"], max(len(st.text) - len(reason["matched"]), 0))
+        elif reason.matched_str is not None and not sp.no_stop_trim:
+            stop = reason.matched_str
+            pos = full.find(stop, max(len(st.text) - len(stop), 0))
             if pos >= 0:
                 full = full[:pos]
         text = full[len(st.text):] if full.startswith(st.text) else ""
         st.text = st.text + text
         meta: dict[str, Any] = {
             "id": rid,
-            "finish_reason": reason,
-            "prompt_tokens": msg.prompt_tokens[i],
-            "completion_tokens": msg.completion_tokens[i],
-            "cached_tokens": msg.cached_tokens[i],
+            "finish_reason": reason.to_json() if reason is not None else None,
+            "prompt_tokens": delta.prompt_tokens,
+            "completion_tokens": delta.completion_tokens,
+            "cached_tokens": delta.cached_tokens,
         }
-        if msg.input_token_logprobs[i] or msg.output_token_logprobs[i]:
-            meta["input_token_logprobs"] = list(zip(msg.input_token_logprobs[i], msg.input_token_ids[i]))
-            meta["output_token_logprobs"] = list(zip(msg.output_token_logprobs[i], new_ids))
-            meta["input_top_logprobs"] = msg.input_top_logprobs[i]
-            meta["output_top_logprobs"] = msg.output_top_logprobs[i]
-            meta["input_token_ids_logprobs"] = msg.input_token_ids_logprobs[i]
-            meta["output_token_ids_logprobs"] = msg.output_token_ids_logprobs[i]
+        lp = delta.logprobs
+        if lp is not None and (lp.input_token_logprobs or lp.output_token_logprobs):
+            meta["input_token_logprobs"] = list(zip(lp.input_token_logprobs, lp.input_token_ids))
+            meta["output_token_logprobs"] = list(zip(lp.output_token_logprobs, new_ids))
+            meta["input_top_logprobs"] = lp.input_top_logprobs
+            meta["output_top_logprobs"] = lp.output_top_logprobs
+            meta["input_token_ids_logprobs"] = lp.input_token_ids_logprobs
+            meta["output_token_ids_logprobs"] = lp.output_token_ids_logprobs
         return {"text": text, "output_ids": list(new_ids), "meta_info": meta, "finished": reason is not None}
 
     async def generate(self, prompt: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
@@ -292,13 +303,12 @@ class Engine:
             item = await st.queue.get()
         finally:
             self._unregister(rid)
-        if "error" in item:
-            raise item["error"]
-        msg, i = item["msg"], item["i"]
-        reason = msg.finished_reasons[i]
-        if reason is not None and reason.get("type") == "abort":
-            raise RequestError(reason.get("message", "aborted"), int(reason.get("status_code", 500)))
-        return {"embedding": msg.embeddings[i], "meta_info": {"id": rid, "prompt_tokens": msg.prompt_tokens[i]}}
+        if isinstance(item, RequestError):
+            raise item
+        if item.finish_reason is not None and item.finish_reason.is_abort:  # a rejection is a TokenDelta
+            raise RequestError.of_abort(item.finish_reason)
+        assert isinstance(item, EmbeddingOut)
+        return {"embedding": item.embedding, "meta_info": {"id": rid, "prompt_tokens": item.prompt_tokens}}
 
     # ---- control --------------------------------------------------------------------------
     def _control(self, msg: Any, timeout: float = 30.0) -> Any:

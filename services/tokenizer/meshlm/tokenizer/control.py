@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import grpc
 from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.scheduler_client import SchedulerConnection
-from meshlm.tokenizer.state import error_from_finish, invalid
+from meshlm.tokenizer.state import error_from_finish, error_reason, invalid
 from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class ControlPlane:
             session_id=session_id, capacity_of_str_len=request.capacity_of_str_len)), self.timeout)
         kind = out.WhichOneof("msg")
         if kind == "error":
-            raise error_from_finish(session_id, out.error.reason)
+            raise error_from_finish(session_id, error_reason(out.error))
         if kind != "open_session" or not out.open_session.success:
             why = out.open_session.message if kind == "open_session" else f"unexpected reply {kind}"
             raise invalid(f"session_id {session_id!r} could not be opened: {why}")
@@ -159,4 +159,4 @@ class ControlPlane:
         if kind == "error":
             if out.error.reason.status_code in (0, 404):
                 raise unknown
-            raise error_from_finish(session_id, out.error.reason)
+            raise error_from_finish(session_id, error_reason(out.error))

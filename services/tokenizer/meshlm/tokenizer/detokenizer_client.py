@@ -1,7 +1,8 @@
 """The tokenizer's side of DetokenizerService.Subscribe: one server stream per detokenizer.
 
-A tokenizer subscribes to every detokenizer endpoint with its origin id (docs/ring.md
-"Detokenizer -> tokenizer"), because any scheduler may push to any detokenizer. Each received
+A tokenizer subscribes to every detokenizer endpoint with a Hello naming its origin id and
+protocol version (docs/ring.md "Detokenizer -> tokenizer"), because any scheduler may push to
+any detokenizer; a detokenizer of another version refuses it (FAILED_PRECONDITION). Each received
 BatchStrOut / BatchEmbeddingOut goes to the handler (the manager, which de-duplicates resends).
 A stream that ends or fails is re-opened with backoff; the address list is re-resolved.
 """
@@ -13,6 +14,7 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import grpc
+from meshlm.common import protocol
 from meshlm.tokenizer.discovery import (
     RESOLVE_INTERVAL_S,
     Backoff,
@@ -84,7 +86,7 @@ class Subscription:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
             call = detokenizer_pb2_grpc.DetokenizerServiceStub(channel).Subscribe(
-                detokenizer_pb2.SubscribeRequest(origin=self.origin)
+                detokenizer_pb2.SubscribeRequest(hello=protocol.hello(self.origin))
             )
             try:
                 self.connected = True

@@ -8,7 +8,8 @@ per prompt, awaited, so the n samples reuse its radix-cache prefix instead of pr
 -> one TokenizedGenerateReqInput per output -> consume deltas.
 
 Deltas arrive from the detokenizer subscriptions (on_batch_str_out), are de-duplicated per
-request (state.read_str_out) and queued to the call that owns the request. Every wait has a
+request (state.read_text_delta) and queued, as typed events (state.Event), to the call that owns
+the request. Every wait has a
 deadline: no output for request_timeout_s -> DEADLINE_EXCEEDED. Whatever ends a call early
 (error, deadline, the caller cancelling) sends an AbortReq for each unfinished request at once.
 
@@ -18,9 +19,9 @@ scheduler as `<rid>_retry` (a fresh wire rid, so a late abort from the lost sche
 hit the retry); the same for a RequestError with status 503 (scheduler draining, or without a
 detokenizer). Sessions never move.
 
-Errors are `ServiceError(grpc code, message)`; an ABORT finish maps its status_code with
-meshlm.common.errors (400 INVALID_ARGUMENT, 404 NOT_FOUND, 499/0 CANCELLED, 503
-RESOURCE_EXHAUSTED, else INTERNAL).
+Errors are `ServiceError(grpc code, message)`; an ABORT finish maps its status_code through
+FinishReason.grpc_code (meshlm.common.finish: 400 INVALID_ARGUMENT, 404 NOT_FOUND, 499/0
+CANCELLED, 503 RESOURCE_EXHAUSTED, else INTERNAL).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import AsyncIterator, Optional
 
 import grpc
 from meshlm.common.errors import ServiceError
+from meshlm.common.finish import FinishReason
 from meshlm.common.log import request_id_var
 from meshlm.common.metrics import Metrics
 from meshlm.common.telemetry import current_traceparent, span, start_span
@@ -52,14 +54,18 @@ from meshlm.tokenizer.request import (
 from meshlm.tokenizer.routing import Router, session_scheduler
 from meshlm.tokenizer.scheduler_client import SchedulerConnection, SchedulerPool
 from meshlm.tokenizer.state import (
-    ABORT,
-    UNSPECIFIED,
     Call,
     Delta,
+    DeltaEvent,
+    EmbeddingEvent,
+    ErrorEvent,
+    Event,
+    ReqKind,
     ReqState,
     error_from_finish,
+    error_reason,
     invalid,
-    read_str_out,
+    read_text_delta,
     strip_logprob_text,
 )
 from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
@@ -234,7 +240,7 @@ class TokenizerManager:
         state.call.states.append(state)
 
     def _send(self, state: ReqState) -> None:
-        field = "embed" if state.kind == "embed" else "generate"
+        field = "embed" if state.kind is ReqKind.EMBED else "generate"
         if not state.conn.send(scheduler_pb2.SchedulerInput(**{field: state.req})):
             self._reroute_or_fail(state, f"scheduler {state.conn.address} is not connected")
 
@@ -246,7 +252,7 @@ class TokenizerManager:
     def _fail(self, state: ReqState, error: ServiceError) -> None:
         if not state.finished:
             self._pop(state)
-            state.call.queue.put_nowait(("error", state, error))
+            state.call.queue.put_nowait(ErrorEvent(state, error))
 
     def _reroute_or_fail(self, state: ReqState, why: str) -> None:
         """Retry once on another scheduler if nothing was produced yet, else UNAVAILABLE."""
@@ -275,13 +281,13 @@ class TokenizerManager:
             if not state.finished:
                 self._pop(state)
                 state.conn.send(_abort_msg(state.wire_rid, message))
-                if state.kind != "warmup":
+                if state.kind is not ReqKind.WARMUP:
                     self.metrics.num_aborted_requests.inc()
         self.calls.discard(call)
         if not self.calls:
             self._idle.set()
 
-    async def _next_event(self, call: Call) -> tuple:
+    async def _next_event(self, call: Call) -> Event:
         try:
             return await asyncio.wait_for(call.queue.get(), self.config.request_timeout_s)
         except asyncio.TimeoutError:
@@ -318,7 +324,7 @@ class TokenizerManager:
             call = self._open_call(rid)
             conns = {p.index: self.route(request.session_id) for p in norm.prompts}
             if norm.warmups:
-                warm = [ReqState(call, -1, w.rid, w.req, conns[w.prompt_index], "warmup")
+                warm = [ReqState(call, -1, w.rid, w.req, conns[w.prompt_index], ReqKind.WARMUP)
                         for w in norm.warmups]
                 await self._run_warmups(call, warm)
             samples = [ReqState(call, s.index, s.rid, s.req, conns[s.prompt_index]) for s in norm.subs]
@@ -328,11 +334,12 @@ class TokenizerManager:
                 self._send(state)
             pending = set(samples)
             while pending:
-                kind, state, payload = await self._next_event(call)
-                if kind == "error":
-                    raise payload
-                delta: Delta = payload
-                if delta.finish is not None and delta.finish.type == ABORT:
+                event = await self._next_event(call)
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+                assert isinstance(event, DeltaEvent)
+                state, delta = event.state, event.delta
+                if delta.finish is not None and delta.finish.is_abort:
                     raise error_from_finish(state.public_rid, delta.finish)
                 if delta.logprobs is not None and not request.return_text_in_logprobs:
                     strip_logprob_text(delta.logprobs)
@@ -371,17 +378,19 @@ class TokenizerManager:
             self._send(state)
         pending = set(warm)
         while pending:
-            kind, state, payload = await self._next_event(call)
-            if kind == "error":
-                raise payload
-            if payload.finish is not None:
-                if payload.finish.type == ABORT:
-                    raise error_from_finish(state.public_rid, payload.finish)
-                pending.discard(state)
+            event = await self._next_event(call)
+            if isinstance(event, ErrorEvent):
+                raise event.error
+            assert isinstance(event, DeltaEvent)
+            finish = event.delta.finish
+            if finish is not None:
+                if finish.is_abort:
+                    raise error_from_finish(event.state.public_rid, finish)
+                pending.discard(event.state)
 
     def _response(self, state: ReqState, text: str, ids: list[int],
                   logprobs: Optional[common_pb2.LogprobDelta],
-                  finish: Optional[common_pb2.FinishReason]) -> tokenizer_pb2.GenerateResponse:
+                  finish: Optional[FinishReason]) -> tokenizer_pb2.GenerateResponse:
         meta = tokenizer_pb2.MetaInfo(
             id=state.public_rid, prompt_tokens=state.prompt_tokens,
             completion_tokens=state.completion_tokens, cached_tokens=state.cached_tokens,
@@ -389,7 +398,7 @@ class TokenizerManager:
         if logprobs is not None and logprobs.ByteSize():
             meta.logprobs.CopyFrom(logprobs)
         if finish is not None:
-            meta.finish_reason.CopyFrom(finish)
+            meta.finish_reason.CopyFrom(finish.to_proto())
             meta.e2e_latency = time.monotonic() - state.call.started
         return tokenizer_pb2.GenerateResponse(index=state.index, text=text, output_ids=ids,
                                               meta_info=meta, finished=finish is not None)
@@ -397,32 +406,42 @@ class TokenizerManager:
     # ---- outputs from the ring ------------------------------------------------------------
     def on_batch_str_out(self, batch: detokenizer_pb2.BatchStrOut) -> None:
         now = time.monotonic()
-        for i, rid in enumerate(batch.rids):
-            state = self.states.get(rid)
-            if state is None or state.kind == "embed":
+        for d in batch.deltas:
+            state = self.states.get(d.rid)
+            if state is None:
                 continue  # not ours any more (finished, aborted, moved) or a late resend
-            delta = read_str_out(state, batch, i)
+            if state.kind is ReqKind.EMBED:
+                self._embed_rejected(state, d)
+                continue
+            delta = read_text_delta(state, d)
             if delta is None:
                 continue
-            if state.kind == "generate" and (delta.text or delta.ids):
+            if state.kind is ReqKind.GENERATE and (delta.text or delta.ids):
                 self._observe_tokens(state, len(delta.ids), now)
             if delta.finish is not None:
                 self._pop(state)
-                if state.kind == "generate":
+                if state.kind is ReqKind.GENERATE:
                     self._observe_finish(state, delta.finish, now)
-            state.call.queue.put_nowait(("delta", state, delta))
+            state.call.queue.put_nowait(DeltaEvent(state, delta))
+
+    def _embed_rejected(self, state: ReqState, d: detokenizer_pb2.TextDelta) -> None:
+        """The scheduler loop rejects an embedding request (bad input, queue full) with a token
+        delta that finishes it with ABORT; anything else for an Embed prompt is ignored."""
+        finish = FinishReason.from_proto(d.finish_reason)
+        if finish is not None and finish.is_abort:
+            self._pop(state)
+            state.call.queue.put_nowait(EmbeddingEvent(state, [], finish))
 
     def on_batch_embedding_out(self, batch: scheduler_pb2.BatchEmbeddingOut) -> None:
-        for i, rid in enumerate(batch.rids):
-            state = self.states.get(rid)
-            if state is None or state.kind != "embed":
+        for result in batch.results:
+            state = self.states.get(result.rid)
+            if state is None or state.kind is not ReqKind.EMBED:
                 continue
-            finish = batch.finished_reasons[i] if i < len(batch.finished_reasons) else None
-            values = list(batch.embeddings[i].values) if i < len(batch.embeddings) else []
-            state.prompt_tokens = batch.prompt_tokens[i] if i < len(batch.prompt_tokens) else 0
+            state.prompt_tokens = result.prompt_tokens
             state.produced = True
             self._pop(state)
-            state.call.queue.put_nowait(("embedding", state, (values, finish)))
+            finish = FinishReason.from_proto(result.finish_reason)
+            state.call.queue.put_nowait(EmbeddingEvent(state, list(result.embedding), finish))
 
     def _observe_tokens(self, state: ReqState, num_ids: int, now: float) -> None:
         if state.first_at is None:
@@ -433,12 +452,12 @@ class TokenizerManager:
         if num_ids:
             state.last_at = now
 
-    def _observe_finish(self, state: ReqState, finish: common_pb2.FinishReason, now: float) -> None:
+    def _observe_finish(self, state: ReqState, finish: FinishReason, now: float) -> None:
         self.metrics.num_requests.inc()
         self.metrics.e2e_request_latency.observe(now - state.call.started)
         self.metrics.prompt_tokens.inc(state.prompt_tokens)
         self.metrics.generation_tokens.inc(state.completion_tokens)
-        if finish.type == ABORT:
+        if finish.is_abort:
             self.metrics.num_aborted_requests.inc()
 
     # ---- scheduler stream events (scheduler_client.SchedulerEvents) -----------------------
@@ -454,9 +473,7 @@ class TokenizerManager:
         state = self.states.get(error.rid)
         if state is None:
             return
-        reason = error.reason
-        if reason.type == UNSPECIFIED:
-            reason = common_pb2.FinishReason(type=ABORT, message=reason.message, status_code=500)
+        reason = error_reason(error)
         others = [i for i in self.schedulers.connected() if self.schedulers.get(i) is not conn]
         if reason.status_code == 503 and not state.produced and not state.retried and others \
                 and not state.session_id:
@@ -465,12 +482,12 @@ class TokenizerManager:
                                   f"{reason.message}")
             return
         self._pop(state)
-        if state.kind == "embed":
-            state.call.queue.put_nowait(("embedding", state, ([], reason)))
+        if state.kind is ReqKind.EMBED:
+            state.call.queue.put_nowait(EmbeddingEvent(state, [], reason))
             return
-        if state.kind == "generate":
+        if state.kind is ReqKind.GENERATE:
             self._observe_finish(state, reason, time.monotonic())
-        state.call.queue.put_nowait(("delta", state, Delta("", [], None, reason)))
+        state.call.queue.put_nowait(DeltaEvent(state, Delta("", [], None, reason)))
 
     def on_scheduler_lost(self, conn: SchedulerConnection, reason: str) -> None:
         for state in [s for s in self.states.values() if s.conn is conn]:
@@ -499,7 +516,7 @@ class TokenizerManager:
             self._admit(len(items))
             await self._wait_ring()
             call = self._open_call(rid)
-            states = [ReqState(call, index, sub_rid, req, self.route(), "embed")
+            states = [ReqState(call, index, sub_rid, req, self.route(), ReqKind.EMBED)
                       for index, sub_rid, req in items]
             for state in states:
                 self._register(state)
@@ -507,14 +524,15 @@ class TokenizerManager:
                 self._send(state)
             results: dict[int, tokenizer_pb2.EmbeddingResult] = {}
             while len(results) < len(states):
-                kind, state, payload = await self._next_event(call)
-                if kind == "error":
-                    raise payload
-                values, finish = payload
-                if finish is not None and finish.type == ABORT:
-                    raise error_from_finish(state.public_rid, finish)
+                event = await self._next_event(call)
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+                assert isinstance(event, EmbeddingEvent)
+                state = event.state
+                if event.finish is not None and event.finish.is_abort:
+                    raise error_from_finish(state.public_rid, event.finish)
                 results[state.index] = tokenizer_pb2.EmbeddingResult(
-                    index=state.index, embedding=values, prompt_tokens=state.prompt_tokens)
+                    index=state.index, embedding=event.values, prompt_tokens=state.prompt_tokens)
             return tokenizer_pb2.EmbedResponse(results=[results[i] for i in sorted(results)])
         except ServiceError as e:
             end_message = f"{e.code.name}: {e.message}"

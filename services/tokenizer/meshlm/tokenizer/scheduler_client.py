@@ -1,6 +1,7 @@
 """The tokenizer's side of SchedulerService.Connect: one long-lived bidi stream per scheduler.
 
-Per stream (docs/ring.md "Tokenizer -> scheduler"): the first message is `hello_origin`, then
+Per stream (docs/ring.md "Tokenizer -> scheduler"): the first message is a `hello` (origin id
+and protocol version; a scheduler of another version refuses the stream), then
 a `get_load`; the stream counts as up once the scheduler's first reply arrives. Generate, embed
 and abort messages are fire-and-forget; control messages carry a `call_id` and wait, under a
 deadline, for the reply with the same id. A stream that ends, fails, or stays silent for
@@ -18,6 +19,7 @@ import logging
 from typing import Optional, Protocol, Sequence
 
 import grpc
+from meshlm.common import protocol
 from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.discovery import (
     RESOLVE_INTERVAL_S,
@@ -155,6 +157,8 @@ class SchedulerConnection:
                 raise
             except grpc.aio.AioRpcError as e:
                 reason = f"{e.code().name}: {e.details()}"
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # e.g. another protocol version
+                    logger.error("scheduler %s refused the stream: %s", self.address, e.details())
             except Exception as e:
                 reason = f"{type(e).__name__}: {e}"
                 logger.exception("scheduler %s stream failed", self.address)
@@ -165,7 +169,7 @@ class SchedulerConnection:
     async def _run_once(self) -> bool:
         """Run one Connect stream until it ends; True if it came up."""
         queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(scheduler_pb2.SchedulerInput(hello_origin=self.origin))
+        queue.put_nowait(scheduler_pb2.SchedulerInput(hello=protocol.hello(self.origin)))
         queue.put_nowait(scheduler_pb2.SchedulerInput(get_load=scheduler_pb2.GetLoadReq()))
         self._queue = queue
 

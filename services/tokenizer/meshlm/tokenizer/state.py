@@ -1,21 +1,22 @@
-"""Per-request and per-call state of the TokenizerManager, and reading one request's entry of
-a BatchStrOut into a de-duplicated delta (docs/ring.md: a tokenizer drops or clips what it has).
+"""Per-request and per-call state of the TokenizerManager, the typed events a call's queue
+carries, and reading one request's TextDelta into a de-duplicated delta (docs/ring.md: a
+tokenizer drops or clips what it has).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import grpc
-from meshlm.common.errors import ServiceError, grpc_code_for_http
+from meshlm.common.errors import ServiceError
+from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.tokenizer.request import DeltaTracker
-from meshlm.v1 import common_pb2, detokenizer_pb2
+from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
-ABORT = common_pb2.FINISH_TYPE_ABORT
-UNSPECIFIED = common_pb2.FINISH_TYPE_UNSPECIFIED
 INPUT_LP = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 OUTPUT_LP = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
@@ -24,10 +25,17 @@ def invalid(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def error_from_finish(rid: str, reason: common_pb2.FinishReason) -> ServiceError:
-    """The gRPC error of an ABORT finish (status 0 = aborted on request: CANCELLED)."""
-    code = grpc.StatusCode.CANCELLED if reason.status_code == 0 else grpc_code_for_http(reason.status_code)
-    return ServiceError(code, f"request {rid} aborted: {reason.message or 'no reason given'}")
+def error_from_finish(rid: str, reason: FinishReason) -> ServiceError:
+    """The gRPC error of an ABORT finish (FinishReason.grpc_code decides the code)."""
+    return ServiceError(reason.grpc_code, f"request {rid} aborted: {reason.message or 'no reason given'}")
+
+
+def error_reason(error: scheduler_pb2.RequestError) -> FinishReason:
+    """The ABORT a scheduler's RequestError carries (one without a finish type is a 500)."""
+    reason = FinishReason.from_proto(error.reason)
+    if reason is None or not reason.is_abort:
+        return FinishReason.aborted(error.reason.message, AbortStatus.INTERNAL)
+    return reason
 
 
 def strip_logprob_text(lp: common_pb2.LogprobDelta) -> None:
@@ -42,22 +50,54 @@ def strip_logprob_text(lp: common_pb2.LogprobDelta) -> None:
                 entry.text = ""
 
 
+class ReqKind(enum.Enum):
+    GENERATE = "generate"  # one output of a Generate
+    WARMUP = "warmup"  # the max_new_tokens=0 prefill before n>1 samples
+    EMBED = "embed"  # one prompt of an Embed
+
+
 @dataclass
 class Delta:
+    """What is new for a request (after de-duplication); finish set on its last delta."""
+
     text: str
     ids: list[int]
     logprobs: Optional[common_pb2.LogprobDelta]
-    finish: Optional[common_pb2.FinishReason]
+    finish: Optional[FinishReason]
+
+
+@dataclass(frozen=True)
+class DeltaEvent:
+    state: "ReqState"
+    delta: Delta
+
+
+@dataclass(frozen=True)
+class EmbeddingEvent:
+    """An Embed prompt's result: its values, or an ABORT finish (then no values)."""
+
+    state: "ReqState"
+    values: list[float]
+    finish: Optional[FinishReason]
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed outside the ring (lost scheduler, shutdown)."""
+
+    state: "ReqState"
+    error: ServiceError
+
+
+Event = Union[DeltaEvent, EmbeddingEvent, ErrorEvent]
 
 
 class Call:
-    """One RPC (Generate or Embed): its requests and the queue their events arrive on.
-    Events: ("delta", state, Delta) | ("embedding", state, (values, finish)) |
-    ("error", state, ServiceError)."""
+    """One RPC (Generate or Embed): its requests and the queue their events arrive on."""
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.states: list[ReqState] = []
         self.started = time.monotonic()
 
@@ -66,14 +106,14 @@ class ReqState:
     """One request on the wire: one output of a Generate, a warm-up, or one Embed prompt."""
 
     def __init__(self, call: Call, index: int, public_rid: str, req: Any, conn: Any,
-                 kind: str = "generate") -> None:
+                 kind: ReqKind = ReqKind.GENERATE) -> None:
         self.call = call
         self.index = index
         self.public_rid = public_rid  # MetaInfo.id
         self.wire_rid = public_rid  # what the scheduler knows (`<rid>_retry` after a retry)
         self.req = req  # TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
         self.conn = conn  # SchedulerConnection
-        self.kind = kind  # generate | warmup | embed
+        self.kind = kind
         self.tracker = DeltaTracker()
         self.produced = False
         self.retried = False
@@ -94,21 +134,16 @@ class ReqState:
         return getattr(self.req, "session_id", "")
 
 
-def read_str_out(state: ReqState, batch: detokenizer_pb2.BatchStrOut, i: int) -> Optional[Delta]:
-    """Entry i of `batch` for `state`, minus what the state already has; None when nothing is
-    new (a resend). Updates the state's counters (prompt/completion/cached tokens, retractions)."""
+def read_text_delta(state: ReqState, d: detokenizer_pb2.TextDelta) -> Optional[Delta]:
+    """`d` minus what the state already has; None when nothing is new (a resend). Updates the
+    state's counters (prompt/completion/cached tokens, retractions)."""
     t = state.tracker
-
-    def at(values: Any, default: Any) -> Any:
-        return values[i] if i < len(values) else default
-
-    text = t.clip_text(at(batch.output_strs, ""), at(batch.text_offsets, t.chars))
-    raw_ids = batch.output_ids[i].ids if i < len(batch.output_ids) else []
-    ids, skipped = t.clip_ids(raw_ids, at(batch.token_offsets, t.ids))
+    text = t.clip_text(d.text, d.text_offset)
+    ids, skipped = t.clip_ids(d.output_ids, d.token_offset)
     logprobs = None
-    if i < len(batch.logprobs) and batch.logprobs[i].ByteSize():
+    if d.logprobs.ByteSize():
         logprobs = common_pb2.LogprobDelta()
-        logprobs.CopyFrom(batch.logprobs[i])
+        logprobs.CopyFrom(d.logprobs)
         if skipped:  # output logprobs follow the output ids
             for name in OUTPUT_LP:
                 del getattr(logprobs, name)[:skipped]
@@ -119,13 +154,11 @@ def read_str_out(state: ReqState, batch: detokenizer_pb2.BatchStrOut, i: int) ->
             t.input_logprobs_seen = True
         if not logprobs.ByteSize():
             logprobs = None
-    finish = None
-    if i < len(batch.finished_reasons) and batch.finished_reasons[i].type != UNSPECIFIED:
-        finish = batch.finished_reasons[i]
-    state.prompt_tokens = at(batch.prompt_tokens, state.prompt_tokens)
-    state.completion_tokens = at(batch.completion_tokens, state.completion_tokens)
-    state.cached_tokens = at(batch.cached_tokens, state.cached_tokens)
-    state.retractions = at(batch.retraction_counts, state.retractions)
+    finish = FinishReason.from_proto(d.finish_reason)
+    state.prompt_tokens = d.prompt_tokens
+    state.completion_tokens = d.completion_tokens
+    state.cached_tokens = d.cached_tokens
+    state.retractions = d.retraction_count
     if not text and not ids and finish is None and logprobs is None:
         return None
     if text or ids:

@@ -4,8 +4,8 @@ prefill.py and decode.py, over an in-memory handoff instead of an RDMA engine).
 Prefill role (`--disaggregation-mode prefill`): a request runs its (chunked) prefill and
 samples its first token as usual; then, unless it already finished, `transfer_prefilled`
 copies the prompt's KV out of the pool, emits a PrefilledReq on the port and ends the request
-here with FinishTransferred. Its KV stays in this scheduler's radix cache, so later prompts
-sharing the prefix are computed once here too.
+here (`req.transferred`: finished, never emitted). Its KV stays in this scheduler's radix
+cache, so later prompts sharing the prefix are computed once here too.
 
 Decode role (`--disaggregation-mode decode`; a unified scheduler accepts them as well):
 `handle_prefilled_request` validates a PrefilledReq like any generate request and queues it;
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from meshlm.scheduler.managers.io_struct import PrefilledReq, TokenizedGenerateReqInput
-from meshlm.scheduler.managers.req import FinishTransferred, Req
+from meshlm.scheduler.managers.req import Req
 
 if TYPE_CHECKING:
     from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
@@ -87,7 +87,7 @@ class DisaggregationMixin:
             output_top_logprobs=list(req.output_top_logprobs),
             output_token_ids_logprobs=list(req.output_token_ids_logprobs),
         )
-        req.finished_reason = FinishTransferred()
+        req.transferred = True
         self.tree_cache.cache_finished_req(req)
         self.port.send_output(msg)
 

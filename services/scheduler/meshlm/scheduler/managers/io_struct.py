@@ -1,7 +1,9 @@
 """Messages into and out of the scheduler, as plain dataclasses (SGLang's io_struct).
 
 They carry no protobuf: the gRPC servicer converts at the edge. Output messages are batched:
-one BatchTokenIDOut per engine step, with parallel lists over the requests that emit.
+one BatchTokenIDOut per engine step, holding one TokenDelta per request that emits in it (and one
+BatchEmbeddingOut per embedding batch, one EmbeddingOut per request). Finish reasons are
+meshlm.common.finish.FinishReason, the type every service shares.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from meshlm.common.finish import FinishReason
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[float, int]]
@@ -148,35 +151,81 @@ class ReqTimes:
 
 
 @dataclass
-class BatchTokenIDOut:
-    """One step's deltas for every request that emits this step (parallel lists)."""
+class LogprobDelta:
+    """One request's logprobs in one delta (SGLang's meta_info logprob lists).
 
-    rids: list[str] = field(default_factory=list)
-    finished_reasons: list[Optional[dict[str, Any]]] = field(default_factory=list)
-    output_ids: list[list[int]] = field(default_factory=list)  # new tokens since the last emission
-    prompt_tokens: list[int] = field(default_factory=list)
-    completion_tokens: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    # Logprob deltas, empty lists for requests that did not ask. Input logprobs are sent once;
-    # the first prompt token has no logprob (None, and an empty top / token-id row).
-    input_token_logprobs: list[list[Optional[float]]] = field(default_factory=list)
-    input_token_ids: list[list[int]] = field(default_factory=list)
-    input_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
-    input_token_ids_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
-    output_token_logprobs: list[list[float]] = field(default_factory=list)
-    output_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
-    output_token_ids_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
-    retraction_counts: list[int] = field(default_factory=list)
-    times: list[ReqTimes] = field(default_factory=list)
-    # The last prompt ids (<= 5) on a request's first emission, empty afterwards: the
-    # detokenizer's surround window (a session turn's prompt is only known in the loop).
-    prompt_tail_ids: list[list[int]] = field(default_factory=list)
+    Input entries are sent once, with the first delta after the prompt's logprobs are complete:
+    entry k is about prompt token `input_token_ids[k]`; the first prompt token has no logprob
+    (None, and an empty top / token-id row). Output entry k is about the delta's output id k."""
+
+    input_token_logprobs: list[Optional[float]] = field(default_factory=list)
+    input_token_ids: list[int] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    output_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+    def extend(self, later: "LogprobDelta") -> None:
+        """Append a later delta's entries (every list concatenates)."""
+        for name in self.__dataclass_fields__:
+            getattr(self, name).extend(getattr(later, name))
+
+
+@dataclass
+class TokenDelta:
+    """One request's output in one engine step.
+
+    `output_ids`: the new tokens since the request's last delta. Counts are totals so far.
+    `logprobs` is None when the request asked for none. `prompt_tail_ids`: the last prompt ids
+    (<= 5) on the request's first delta, empty afterwards — the detokenizer's surround window
+    (a session turn's prompt is only known in the loop)."""
+
+    rid: str
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    retraction_count: int = 0
+    logprobs: Optional[LogprobDelta] = None
+    prompt_tail_ids: list[int] = field(default_factory=list)
+    times: Optional[ReqTimes] = None
+
+    def absorb(self, later: "TokenDelta") -> None:
+        """Fold a later delta of the same request into this one (a running total): ids and
+        logprobs concatenate; counts, finish reason and times are the later ones."""
+        self.output_ids.extend(later.output_ids)
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = LogprobDelta()
+            self.logprobs.extend(later.logprobs)
+        self.finish_reason = later.finish_reason
+        self.prompt_tokens = later.prompt_tokens
+        self.completion_tokens = later.completion_tokens
+        self.cached_tokens = later.cached_tokens
+        self.retraction_count = later.retraction_count
+        self.times = later.times or self.times
+
+
+@dataclass
+class BatchTokenIDOut:
+    """One engine step's outputs: a TokenDelta per request that emits, in step order."""
+
+    deltas: list[TokenDelta] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingOut:
+    """One request's embedding (finish_reason LENGTH, or ABORT with no embedding)."""
+
+    rid: str
+    embedding: list[float]
+    prompt_tokens: int
+    finish_reason: FinishReason
+    cached_tokens: int = 0
 
 
 @dataclass
 class BatchEmbeddingOut:
-    rids: list[str] = field(default_factory=list)
-    embeddings: list[list[float]] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    finished_reasons: list[Optional[dict[str, Any]]] = field(default_factory=list)
+    results: list[EmbeddingOut] = field(default_factory=list)

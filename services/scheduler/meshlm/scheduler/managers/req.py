@@ -1,4 +1,4 @@
-"""Req: one generation or embedding request inside the scheduler, and its finish reasons.
+"""Req: one generation or embedding request inside the scheduler.
 
 Token bookkeeping (SGLang's Req):
 
@@ -15,68 +15,13 @@ KV exists for every token except the newest output token, which is fed by the ne
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from meshlm.common.finish import FinishReason
 from meshlm.scheduler.managers.io_struct import ReqTimes
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
-
-
-class BaseFinishReason:
-    """Why a request ended; to_json() is SGLang's finish_reason dict."""
-
-    def to_json(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class FinishMatchedToken(BaseFinishReason):
-    matched: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True)
-class FinishMatchedStr(BaseFinishReason):
-    matched: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True)
-class FinishLength(BaseFinishReason):
-    length: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "length", "length": self.length}
-
-
-@dataclass(frozen=True)
-class FinishAbort(BaseFinishReason):
-    message: str = "Aborted"
-    status_code: int = 400
-    err_type: str = "BadRequestError"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "type": "abort",
-            "message": self.message,
-            "status_code": self.status_code,
-            "err_type": self.err_type,
-        }
-
-
-@dataclass(frozen=True)
-class FinishTransferred(BaseFinishReason):
-    """Internal to a prefill scheduler: the request moved to a decode scheduler, which
-    finishes it. Never emitted (stream_output skips it)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "transferred"}
 
 
 class Req:
@@ -139,8 +84,10 @@ class Req:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
 
-        # Outputs.
-        self.finished_reason: Optional[BaseFinishReason] = None
+        # Outputs. `transferred`: a prefill scheduler handed the request to a decode scheduler,
+        # which finishes it; here it counts as finished but is never emitted.
+        self.finished_reason: Optional[FinishReason] = None
+        self.transferred = False
         self.embedding: Optional[list[float]] = None
         self.decoded_text = ""  # scheduler-side detokenized tail for stop strings
         self.send_token_offset = 0
@@ -152,7 +99,7 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     def finished(self) -> bool:
-        return self.finished_reason is not None
+        return self.finished_reason is not None or self.transferred
 
     def init_next_round_input(self) -> None:
         """Prepare fill_ids for a (re)prefill. The prefix is matched by the scheduler's cache."""

@@ -28,13 +28,14 @@ from typing import Any, Optional
 
 import torch
 
+from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.distributed.parallel_state import broadcast_pyobj
 from meshlm.scheduler.managers.disaggregation import DisaggregationMixin
 from meshlm.scheduler.managers.io_struct import OpenSessionReq
 from meshlm.scheduler.managers.port import SchedulerPort
-from meshlm.scheduler.managers.req import FinishAbort, Req
+from meshlm.scheduler.managers.req import Req
 from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
 from meshlm.scheduler.managers.schedule_policy import (
     AddReqResult,
@@ -294,7 +295,7 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputMixin, DisaggregationMixin):
                 break
             victim = batch.reqs[order.pop()]
             if not order:  # even a lone request cannot grow: fail it rather than spin
-                victim.finished_reason = FinishAbort("KV cache is too small for this request", 500, "InternalServerError")
+                victim.finished_reason = FinishReason.aborted("KV cache is too small for this request", AbortStatus.INTERNAL)
                 self.tree_cache.cache_finished_req(victim)
                 self.stream_output([victim])
                 break

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
     CloseSessionReq,
@@ -26,7 +27,7 @@ from meshlm.scheduler.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from meshlm.scheduler.managers.req import FinishAbort, Req
+from meshlm.scheduler.managers.req import Req
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardMode
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
@@ -84,9 +85,8 @@ class SchedulerInputMixin:
             else:
                 logger.error("scheduler got an unknown message %r", type(msg).__name__)
 
-    def _reject(self, req: Req, message: str, status_code: int = 400) -> None:
-        err = {400: "BadRequestError", 404: "NotFoundError"}.get(status_code, "ServiceUnavailableError")
-        req.finished_reason = FinishAbort(message, status_code, err)
+    def _reject(self, req: Req, message: str, status_code: int = AbortStatus.BAD_REQUEST) -> None:
+        req.finished_reason = FinishReason.aborted(message, status_code)
         self.stream_output([req])
 
     def _queue_full(self) -> bool:
@@ -121,7 +121,7 @@ class SchedulerInputMixin:
         if self.model_config.is_embedding:
             return self._reject(req, "this model is an embedding model; it cannot generate")
         if self._queue_full():
-            return self._reject(req, "The request queue is full.", 503)
+            return self._reject(req, "The request queue is full.", AbortStatus.UNAVAILABLE)
         if recv.session_id is not None:
             self.sessions.add_req(recv, req)
         self.waiting_queue.append(req)
@@ -175,7 +175,7 @@ class SchedulerInputMixin:
         if n > self.max_req_len:
             return self._reject(req, self._too_long(n))
         if self._queue_full():
-            return self._reject(req, "The request queue is full.", 503)
+            return self._reject(req, "The request queue is full.", AbortStatus.UNAVAILABLE)
         self.waiting_queue.append(req)
 
     def abort_request(self, abort: AbortReq) -> None:
@@ -184,7 +184,7 @@ class SchedulerInputMixin:
         def hit(rid: str) -> bool:
             return abort.abort_all or rid == abort.rid or rid.startswith(abort.rid + "_")
 
-        reason = FinishAbort(abort.message, 499, "Aborted")
+        reason = FinishReason.aborted(abort.message, AbortStatus.CANCELLED)
         self.abort_transferred(hit, reason)
         for req in [r for r in self.waiting_queue if hit(r.rid)]:
             self.waiting_queue.remove(req)  # waiting requests hold no KV and no locks

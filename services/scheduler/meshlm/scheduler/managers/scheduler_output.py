@@ -1,6 +1,6 @@
 """SchedulerOutputMixin: turn a finished forward into request state and outgoing deltas
 (SGLang's scheduler_output_processor_mixin): append tokens, logprobs, stop checks, caching,
-and one BatchTokenIDOut per step holding every emitting request's delta."""
+and one BatchTokenIDOut per step holding a TokenDelta per emitting request."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshlm.scheduler.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut
-from meshlm.scheduler.managers.req import (
-    FinishLength,
-    FinishMatchedStr,
-    FinishMatchedToken,
-    FinishTransferred,
-    Req,
+from meshlm.common.finish import FinishReason
+from meshlm.scheduler.managers.io_struct import (
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    EmbeddingOut,
+    LogprobDelta,
+    TokenDelta,
 )
+from meshlm.scheduler.managers.req import Req
 from meshlm.scheduler.sampling.sampler import compute_logprobs
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class SchedulerOutputMixin:
                 continue
             if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. n>1 cache warm-up)
                 j += 1
-                req.finished_reason = FinishLength(0)
+                req.finished_reason = FinishReason.at_length(0)
                 # KV covers the whole prompt (no output token is pending): cache all of it,
                 # then drop the request's hold on it.
                 self.tree_cache.cache_unfinished_req(req)
@@ -87,14 +88,10 @@ class SchedulerOutputMixin:
         rows = embeddings.float().cpu().tolist()
         for req, emb in zip(batch.reqs, rows):
             req.embedding = emb
-            req.finished_reason = FinishLength(0)
+            req.finished_reason = FinishReason.at_length(0)
             # Embedding KV is not reusable (encoders) and not worth caching: release it all.
             self.tree_cache.release_req(req, len(req.fill_ids))
-            out.rids.append(req.rid)
-            out.embeddings.append(emb)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.cached_tokens.append(0)
-            out.finished_reasons.append(req.finished_reason.to_json())
+            out.results.append(EmbeddingOut(req.rid, emb, len(req.origin_input_ids), req.finished_reason))
         self.port.send_output(out)
 
     def _append_token(self, req: Req, result: "GenerationBatchResult", j: int) -> None:
@@ -161,15 +158,15 @@ class SchedulerOutputMixin:
         sp = req.sampling_params
         last = req.output_ids[-1]
         if len(req.output_ids) >= sp.min_new_tokens and last in req.stop_token_ids:
-            req.finished_reason = FinishMatchedToken(last)
+            req.finished_reason = FinishReason.stopped(last)
         elif sp.stop_strs and self.tokenizer is not None:
             tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
             for stop in sp.stop_strs:
                 if stop in tail:
-                    req.finished_reason = FinishMatchedStr(stop)
+                    req.finished_reason = FinishReason.stopped(stop)
                     break
         if req.finished_reason is None and len(req.output_ids) >= (sp.max_new_tokens or 0):
-            req.finished_reason = FinishLength(len(req.output_ids))
+            req.finished_reason = FinishReason.at_length(len(req.output_ids))
 
     # ---- outputs --------------------------------------------------------------------------
     def _should_emit(self, req: Req) -> bool:
@@ -205,38 +202,38 @@ class SchedulerOutputMixin:
                 times.first_token = now
             if req.finished_reason is not None and not times.finished:
                 times.finished = now
-            if isinstance(req.finished_reason, FinishTransferred) or not self._should_emit(req):
+            if req.transferred or not self._should_emit(req):
                 continue
-            out.rids.append(req.rid)
-            out.prompt_tail_ids.append(req.origin_input_ids[-5:] if req.send_token_offset == 0 else [])
-            out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
-            out.output_ids.append(req.output_ids[req.send_token_offset :])
+            delta = TokenDelta(
+                rid=req.rid,
+                output_ids=req.output_ids[req.send_token_offset :],
+                finish_reason=req.finished_reason,
+                prompt_tokens=len(req.origin_input_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                retraction_count=req.retraction_count,
+                logprobs=self._logprob_delta(req) if req.return_logprob else None,
+                prompt_tail_ids=req.origin_input_ids[-5:] if req.send_token_offset == 0 else [],
+                times=times,
+            )
             req.send_token_offset = len(req.output_ids)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.retraction_counts.append(req.retraction_count)
-            out.times.append(times)
-            self._emit_logprobs(req, out)
-        if out.rids:
+            out.deltas.append(delta)
+        if out.deltas:
             self.port.send_output(out)
 
     @staticmethod
-    def _emit_logprobs(req: Req, out: BatchTokenIDOut) -> None:
-        if req.return_logprob and req.input_logprobs_done and not req.input_logprobs_sent:
+    def _logprob_delta(req: Req) -> LogprobDelta:
+        """The logprobs not sent yet: the prompt's once (when complete), then the new outputs'."""
+        lp = LogprobDelta()
+        if req.input_logprobs_done and not req.input_logprobs_sent:
             req.input_logprobs_sent = True
-            start = req.logprob_start_len
-            out.input_token_logprobs.append(list(req.input_token_logprobs))
-            out.input_token_ids.append(req.origin_input_ids[start:])
-            out.input_top_logprobs.append(list(req.input_top_logprobs))
-            out.input_token_ids_logprobs.append(list(req.input_token_ids_logprobs))
-        else:
-            out.input_token_logprobs.append([])
-            out.input_token_ids.append([])
-            out.input_top_logprobs.append([])
-            out.input_token_ids_logprobs.append([])
+            lp.input_token_logprobs = list(req.input_token_logprobs)
+            lp.input_token_ids = req.origin_input_ids[req.logprob_start_len :]
+            lp.input_top_logprobs = list(req.input_top_logprobs)
+            lp.input_token_ids_logprobs = list(req.input_token_ids_logprobs)
         k = req.send_logprob_offset
-        out.output_token_logprobs.append(req.output_token_logprobs[k:])
-        out.output_top_logprobs.append(req.output_top_logprobs[k:])
-        out.output_token_ids_logprobs.append(req.output_token_ids_logprobs[k:])
+        lp.output_token_logprobs = req.output_token_logprobs[k:]
+        lp.output_top_logprobs = req.output_top_logprobs[k:]
+        lp.output_token_ids_logprobs = req.output_token_ids_logprobs[k:]
         req.send_logprob_offset = len(req.output_token_logprobs)
+        return lp

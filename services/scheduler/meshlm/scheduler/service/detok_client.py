@@ -1,9 +1,10 @@
 """DetokenizerPushClient: the scheduler's one Push stream to a detokenizer, with fail-over.
 
-    start -> pick an address (re-resolved each round) -> Push: hello_scheduler, resync, then
+    start -> pick an address (re-resolved each round) -> Push: hello (scheduler id and protocol
+    version; a detokenizer of another version refuses the stream), resync, then
     one message per engine step -> the stream breaks -> next address -> hello, resync, ...
 
-A resync re-sends every tracked request (tracker.resync: seed present, all output ids from
+A resync re-sends every tracked request (tracker.resync: seed set, all output ids from
 token offset 0, finish reason if finished; finished requests are kept 30 s), so a new
 detokenizer can rebuild its state and the tokenizer drops what it already has.
 
@@ -23,7 +24,7 @@ import zlib
 from typing import Awaitable, Callable, Iterable, Optional, Sequence
 
 import grpc
-from meshlm.common import addresses
+from meshlm.common import addresses, protocol
 from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
 from meshlm.scheduler.service.tracker import RequestTracker
 from meshlm.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
@@ -167,7 +168,7 @@ class DetokenizerPushClient:
             # await in between); outputs produced from here on are queued behind it.
             self._discard_queue()
             snapshot = self.tracker.resync(self.scheduler_id)
-            first = [detokenizer_pb2.DetokenizerInput(hello_scheduler=self.scheduler_id)]
+            first = [detokenizer_pb2.DetokenizerInput(hello=protocol.hello(self.scheduler_id))]
             for m in snapshot:
                 if isinstance(m, scheduler_pb2.BatchTokenIDOut):
                     first.append(detokenizer_pb2.DetokenizerInput(tokens=m))
@@ -181,7 +182,7 @@ class DetokenizerPushClient:
             self.down_since = None
             self._up_event.set()
             if snapshot:
-                logger.info("detokenizer %s: resynced %d requests", addr, sum(len(m.rids) for m in snapshot))
+                logger.info("detokenizer %s: resynced %d requests", addr, self.tracker.num_emitted())
             ended = asyncio.ensure_future(self._call_done(call))
             try:
                 while True:

@@ -1,7 +1,7 @@
 """DecodeHandoffClient: a prefill scheduler's Connect streams to its decode schedulers.
 
 A prefill scheduler is a tokenizer to its decode schedulers: one Connect stream per decode
-endpoint (headless-service names re-resolved), hello_origin "prefill/<scheduler id>". Each
+endpoint (headless-service names re-resolved), hello peer_id "prefill/<scheduler id>". Each
 prefilled request goes, as KV chunks + PrefilledReq, to the up link with the fewest requests
 handed over and not finished yet (then the lowest token usage). The link remembers those rids
 until the decode scheduler reports them done (HandoverDone) or rejects one (RequestError).
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, Sequence
 
 import grpc
-from meshlm.common import addresses
+from meshlm.common import addresses, protocol
 from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
 from meshlm.scheduler.managers.io_struct import PrefilledReq
 from meshlm.scheduler.service.handoff_wire import prefilled_to_proto
@@ -161,7 +161,7 @@ class DecodeHandoffClient:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
             except (asyncio.TimeoutError, grpc.RpcError):
                 return False
-            hello = scheduler_pb2.SchedulerInput(hello_origin=f"prefill/{self.scheduler_id}")
+            hello = scheduler_pb2.SchedulerInput(hello=protocol.hello(f"prefill/{self.scheduler_id}"))
 
             async def requests():  # type: ignore[no-untyped-def]
                 yield hello

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from meshlm.scheduler.managers.io_struct import BatchTokenIDOut, PrefilledReq
+from meshlm.scheduler.managers.io_struct import LogprobDelta, PrefilledReq
 from meshlm.scheduler.service import wire
 from meshlm.v1 import common_pb2, scheduler_pb2
 
@@ -38,17 +38,16 @@ def prefilled_to_proto(
     )
     if msg.req.return_logprob:
         start = max(msg.req.logprob_start_len, 0)
-        one = BatchTokenIDOut(
-            output_ids=[msg.output_ids],
-            input_token_logprobs=[msg.input_token_logprobs],
-            input_token_ids=[msg.req.input_ids[start:]],
-            input_top_logprobs=[msg.input_top_logprobs],
-            input_token_ids_logprobs=[msg.input_token_ids_logprobs],
-            output_token_logprobs=[msg.output_token_logprobs],
-            output_top_logprobs=[msg.output_top_logprobs],
-            output_token_ids_logprobs=[msg.output_token_ids_logprobs],
+        lp = LogprobDelta(
+            input_token_logprobs=msg.input_token_logprobs,
+            input_token_ids=msg.req.input_ids[start:],
+            input_top_logprobs=msg.input_top_logprobs,
+            input_token_ids_logprobs=msg.input_token_ids_logprobs,
+            output_token_logprobs=msg.output_token_logprobs,
+            output_top_logprobs=msg.output_top_logprobs,
+            output_token_ids_logprobs=msg.output_token_ids_logprobs,
         )
-        pb.logprobs.CopyFrom(wire.logprob_delta_to_proto(one, 0))
+        pb.logprobs.CopyFrom(wire.logprobs_to_proto(lp, msg.output_ids))
     out.append(scheduler_pb2.SchedulerInput(prefilled=pb))
     return out
 
@@ -67,17 +66,16 @@ def prefilled_from_proto(pb: scheduler_pb2.PrefilledReq, raw: bytes | bytearray)
     if len(raw) != want:
         raise ValueError(f"kv chunks hold {len(raw)} bytes; kv.shape {shape} in {pb.kv.dtype} needs {want}")
     kv = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
-    lp = BatchTokenIDOut()
-    wire.append_logprobs_from_proto(lp, pb.logprobs)
+    lp = wire.logprobs_from_proto(pb.logprobs)
     return PrefilledReq(
         req=wire.generate_req_from_proto(pb.req),
         output_ids=list(pb.output_ids),
         kv=kv,
         cached_tokens=pb.cached_tokens,
-        input_token_logprobs=lp.input_token_logprobs[0],
-        input_top_logprobs=lp.input_top_logprobs[0],
-        input_token_ids_logprobs=lp.input_token_ids_logprobs[0],
-        output_token_logprobs=lp.output_token_logprobs[0],
-        output_top_logprobs=lp.output_top_logprobs[0],
-        output_token_ids_logprobs=lp.output_token_ids_logprobs[0],
+        input_token_logprobs=lp.input_token_logprobs,
+        input_top_logprobs=lp.input_top_logprobs,
+        input_token_ids_logprobs=lp.input_token_ids_logprobs,
+        output_token_logprobs=lp.output_token_logprobs,
+        output_top_logprobs=lp.output_top_logprobs,
+        output_token_ids_logprobs=lp.output_token_ids_logprobs,
     )

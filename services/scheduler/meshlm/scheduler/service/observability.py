@@ -14,7 +14,6 @@ from meshlm.common import telemetry
 from meshlm.common.metrics import Metrics
 from meshlm.scheduler.managers.io_struct import LoadReport
 from meshlm.scheduler.service.tracker import TrackedRequest
-from meshlm.v1 import common_pb2
 from opentelemetry.trace import Status, StatusCode
 
 
@@ -59,13 +58,13 @@ class RequestObserver:
         m = self.metrics
         first = t.emissions == 1
         if m is not None:
-            if first and not t.is_embedding:
-                m.prompt_tokens.inc(t.prompt_tokens)
-                m.cached_tokens.inc(t.cached_tokens)
+            if first and t.sent is not None and not t.is_embedding:
+                m.prompt_tokens.inc(t.sent.prompt_tokens)
+                m.cached_tokens.inc(t.sent.cached_tokens)
             if new_tokens:
                 m.generation_tokens.inc(new_tokens)
         times = t.times
-        if times is None:
+        if times is None or t.sent is None:
             return
         if times.scheduled and "queue" not in t.spans_emitted:
             self._span(t, "queue", times.arrival, times.scheduled)
@@ -82,16 +81,18 @@ class RequestObserver:
 
     def _span(self, t: TrackedRequest, phase: str, start: float, end: float) -> None:
         t.spans_emitted.add(phase)
+        sent = t.sent
+        assert sent is not None  # spans follow token outputs only
         attrs = {"meshlm.rid": t.rid, "meshlm.origin": t.origin, "meshlm.scheduler_id": self.scheduler_id}
         if phase == "prefill":
-            attrs["meshlm.prompt_tokens"] = t.prompt_tokens
-            attrs["meshlm.cached_tokens"] = t.cached_tokens
+            attrs["meshlm.prompt_tokens"] = sent.prompt_tokens
+            attrs["meshlm.cached_tokens"] = sent.cached_tokens
         if phase == "decode" or (phase == "queue" and t.finished):
-            attrs["meshlm.completion_tokens"] = t.completion_tokens
+            attrs["meshlm.completion_tokens"] = sent.completion_tokens
         span = telemetry.start_span(
             f"scheduler.{phase}", t.trace.traceparent, t.trace.tracestate, attrs, start_time_ns=_ns(start)
         )
-        aborted = t.finish is not None and t.finish.type == common_pb2.FINISH_TYPE_ABORT
-        if aborted and phase != "prefill":
-            span.set_status(Status(StatusCode.ERROR, t.finish.message))
+        finish = sent.finish_reason
+        if finish is not None and finish.is_abort and phase != "prefill":
+            span.set_status(Status(StatusCode.ERROR, finish.message))
         span.end(end_time=max(_ns(end), _ns(start)))

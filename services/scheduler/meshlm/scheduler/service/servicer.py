@@ -1,7 +1,8 @@
 """SchedulerServicer: meshlm.v1.SchedulerService on top of the scheduler loop's port.
 
 Connect (one bidi stream per tokenizer replica):
-  in:  hello_origin first; then generate / embed / abort / flush_cache / open_session /
+  in:  hello first (peer id and protocol version: another version is refused with
+       FAILED_PRECONDITION); then generate / embed / abort / flush_cache / open_session /
        close_session / get_load (control messages carry the caller's call_id)
   out: load (on connect and periodically), control replies (same call_id), early request
        errors (draining, duplicate rid, no detokenizer reachable)
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 import grpc
+from meshlm.common import protocol
+from meshlm.common.errors import ServiceError
 from meshlm.common.log import request_id_var
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
@@ -147,16 +150,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             pb, tracked = self.tracker.token_out(msg, self.scheduler_id)
             if not tracked:
                 return
-            for k, t in enumerate(tracked):
-                self.observer.on_emit(t, len(pb.output_ids[k].ids))
-            self._send_detok(detokenizer_pb2.DetokenizerInput(tokens=pb), pb.rids)
+            for t, delta in zip(tracked, pb.deltas):
+                self.observer.on_emit(t, len(delta.output_ids))
+            self._send_detok(detokenizer_pb2.DetokenizerInput(tokens=pb), [t.rid for t in tracked])
         elif isinstance(msg, BatchEmbeddingOut):
-            pb, tracked = self.tracker.embedding_out(msg, self.scheduler_id)
+            embeds, tracked = self.tracker.embedding_out(msg, self.scheduler_id)
             if not tracked:
                 return
             for t in tracked:
                 self.observer.on_emit(t, 0)
-            self._send_detok(detokenizer_pb2.DetokenizerInput(embeddings=pb), pb.rids)
+            self._send_detok(detokenizer_pb2.DetokenizerInput(embeddings=embeds), [t.rid for t in tracked])
         elif isinstance(msg, PrefilledReq):
             return self._hand_over(msg)
         else:
@@ -218,9 +221,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if self.handoff is not None:
             self.handoff.abort(rid, abort_all, message)
 
-    def _send_detok(self, msg: detokenizer_pb2.DetokenizerInput, rids: Any) -> None:
+    def _send_detok(self, msg: detokenizer_pb2.DetokenizerInput, rids: list[str]) -> None:
         assert self.detok is not None
-        self.detok.send(msg, list(rids))
+        self.detok.send(msg, rids)
 
     def _handle_control(self, msg: Any) -> None:
         call = self._calls.pop(getattr(msg, "call_id", 0), None)
@@ -320,11 +323,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             first = await request_iterator.__anext__()
         except StopAsyncIteration:
             return
-        if first.WhichOneof("msg") != "hello_origin" or not first.hello_origin:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first SchedulerInput of Connect must be hello_origin"
-            )
-        conn = Connection(next(self._conn_ids), first.hello_origin)
+        try:
+            origin = protocol.check_hello(first.WhichOneof("msg"), first.hello, "scheduler", "Connect")
+        except ServiceError as e:
+            logger.warning("refused a Connect stream: %s", e.message)
+            await context.abort(e.code, e.message)
+        conn = Connection(next(self._conn_ids), origin)
         self._conns[conn.id] = conn
         logger.info("tokenizer %s connected (stream %d)", conn.origin, conn.id)
         if not self.crashed:
@@ -392,8 +396,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             except ValueError as e:
                 return conn.send(wire.request_error(msg.prefilled.req.rid, str(e), 400))
             self._submit(conn, msg.prefilled.req, is_embedding=False, prefilled=prefilled)
-        elif kind == "hello_origin":
-            logger.warning("tokenizer %s sent hello_origin twice; ignored", conn.origin)
+        elif kind == "hello":
+            logger.warning("tokenizer %s sent hello twice; ignored", conn.origin)
         else:
             logger.warning("empty SchedulerInput from %s", conn.origin)
 
@@ -431,17 +435,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 return conn.send(wire.request_error(rid, f"duplicate request id {rid!r}", 400))
             if is_embedding:
                 req: Any = wire.embedding_req_from_proto(pb)
-                seed = scheduler_pb2.DecodeSeed(present=True, prompt_tail_ids=list(pb.input_ids[-5:]))
-                want_logprobs = False
+                seed = scheduler_pb2.DecodeSeed(prompt_tail_ids=list(pb.input_ids[-5:]))
             else:
                 req = wire.generate_req_from_proto(pb)
-                want_logprobs = req.return_logprob
                 # The tokenizer asks for logprob text through the detokenizer; the scheduler
                 # proto has no return_text_in_logprobs, so logprob requests always get text.
-                seed = wire.decode_seed(req.input_ids, req.sampling_params, want_logprob_text=want_logprobs)
+                seed = wire.decode_seed(req.input_ids, req.sampling_params, want_logprob_text=req.return_logprob)
             self.tracker.add(TrackedRequest(
                 rid=rid, origin=origin, conn_id=conn.id, trace=pb.trace, seed=seed,
-                is_embedding=is_embedding, want_logprobs=want_logprobs, from_prefill=prefilled is not None,
+                is_embedding=is_embedding, from_prefill=prefilled is not None,
             ))
             conn.rids.add(rid)
             self._put(prefilled or req)

@@ -1,15 +1,18 @@
 """RequestTracker: what the scheduler service remembers per request for the ring.
 
 The engine knows nothing of origins, traces or detokenizers. The service tracks, per live
-request: its origin and Connect stream, trace context, decode seed, every output id so far
-(and the accumulated logprobs and finish reason), so that
+request: its origin and Connect stream, trace context, decode seed, and everything it emitted so
+far as one running-total TokenDelta (all output ids, accumulated logprobs, latest counts and
+finish reason) or its EmbeddingOut, so that
 
-  * each outgoing BatchTokenIDOut carries origins, seeds (first emission per detokenizer
-    stream), token offsets and traces, and
+  * each outgoing TokenDelta carries its origin, seed (first emission per detokenizer stream),
+    token offset and trace, and
   * after a detokenizer fail-over, a resync can re-send every tracked request from token
     offset 0 with its seed (ring.md). Finished requests stay tracked for `retention_s`.
 
-Owned by the service's asyncio thread (no locking).
+Both kinds of message are built by wire.token_delta_to_proto / wire.embedding_to_proto, the
+step's delta and the resync's running total alike. Owned by the service's asyncio thread (no
+locking).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from meshlm.scheduler.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut, ReqTimes
+from meshlm.common.finish import FinishReason
+from meshlm.scheduler.managers.io_struct import (
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    EmbeddingOut,
+    ReqTimes,
+    TokenDelta,
+)
 from meshlm.scheduler.service import wire
 from meshlm.v1 import common_pb2, scheduler_pb2
 
@@ -33,19 +43,13 @@ class TrackedRequest:
     trace: common_pb2.TraceContext
     seed: scheduler_pb2.DecodeSeed
     is_embedding: bool = False
-    want_logprobs: bool = False
-    output_ids: list[int] = field(default_factory=list)
-    finish: Optional[common_pb2.FinishReason] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    retraction_count: int = 0
-    logprobs: common_pb2.LogprobDelta = field(default_factory=common_pb2.LogprobDelta)
-    embedding: Optional[scheduler_pb2.Embedding] = None
+    # Everything emitted so far: the running total of the request's TokenDeltas (token offset
+    # 0), or its embedding. An embedding request rejected by the loop emits a TokenDelta.
+    sent: Optional[TokenDelta] = None
+    embedding: Optional[EmbeddingOut] = None
     emissions: int = 0  # outputs produced so far
     seeded: bool = False  # seed sent on the current detokenizer stream
     finished_at: Optional[float] = None  # monotonic
-    times: Optional[ReqTimes] = None  # the engine's phase times (latest seen)
     spans_emitted: set[str] = field(default_factory=set)
     # Disaggregation. Prefill side: the decode endpoint the request was handed to, and
     # whether an abort was asked (a handover still in flight is then dropped). Decode side:
@@ -55,8 +59,23 @@ class TrackedRequest:
     from_prefill: bool = False
 
     @property
+    def finish(self) -> Optional[FinishReason]:
+        if self.embedding is not None:
+            return self.embedding.finish_reason
+        return self.sent.finish_reason if self.sent is not None else None
+
+    @property
     def finished(self) -> bool:
         return self.finish is not None
+
+    @property
+    def num_output_ids(self) -> int:
+        return len(self.sent.output_ids) if self.sent is not None else 0
+
+    @property
+    def times(self) -> Optional[ReqTimes]:
+        """The engine's phase times (latest seen; None for embeddings)."""
+        return self.sent.times if self.sent is not None else None
 
 
 class RequestTracker:
@@ -88,6 +107,9 @@ class RequestTracker:
         """Requests a detokenizer knows of (they produced at least one output)."""
         return [t for t in self._reqs.values() if t.emissions]
 
+    def num_emitted(self) -> int:
+        return sum(bool(t.emissions) for t in self._reqs.values())
+
     def __len__(self) -> int:
         return len(self._reqs)
 
@@ -103,59 +125,44 @@ class RequestTracker:
     def token_out(self, out: BatchTokenIDOut, scheduler_id: str) -> tuple[scheduler_pb2.BatchTokenIDOut, list[TrackedRequest]]:
         """The wire message for a step's output (untracked rids — already failed — are left
         out) and the tracked requests it holds, in order. Updates each request's state."""
-        indices, origins, seeds, offsets, traces, tracked = [], [], [], [], [], []
-        for i, rid in enumerate(out.rids):
-            t = self._reqs.get(rid)
+        pb = scheduler_pb2.BatchTokenIDOut(scheduler_id=scheduler_id)
+        tracked = []
+        now = time.monotonic()
+        for delta in out.deltas:
+            t = self._reqs.get(delta.rid)
             if t is None or t.finished:
                 continue
-            if t.emissions == 0 and i < len(out.prompt_tail_ids) and out.prompt_tail_ids[i]:
+            if t.emissions == 0 and delta.prompt_tail_ids:
                 del t.seed.prompt_tail_ids[:]  # the prompt as the loop built it (sessions)
-                t.seed.prompt_tail_ids.extend(out.prompt_tail_ids[i])
-            indices.append(i)
-            origins.append(t.origin)
-            seeds.append(None if t.seeded else t.seed)
+                t.seed.prompt_tail_ids.extend(delta.prompt_tail_ids)
+            pb.deltas.append(wire.token_delta_to_proto(
+                delta, origin=t.origin, token_offset=t.num_output_ids,
+                seed=None if t.seeded else t.seed, trace=t.trace,
+            ))
             t.seeded = True
-            offsets.append(len(t.output_ids))
-            traces.append(t.trace)
-            tracked.append(t)
-        pb = wire.batch_token_id_out_to_proto(
-            out, scheduler_id=scheduler_id, indices=indices, origins=origins, seeds=seeds,
-            token_offsets=offsets, traces=traces,
-        )
-        now = time.monotonic()
-        for k, (i, t) in enumerate(zip(indices, tracked)):
             t.emissions += 1
-            t.output_ids.extend(out.output_ids[i])
-            t.prompt_tokens = out.prompt_tokens[i]
-            t.completion_tokens = out.completion_tokens[i]
-            t.cached_tokens = out.cached_tokens[i]
-            t.retraction_count = pb.retraction_counts[k]
-            if i < len(out.times):
-                t.times = out.times[i]
-            if t.want_logprobs:
-                t.logprobs.MergeFrom(pb.logprobs[k])  # repeated fields concatenate
-            if pb.finished_reasons[k].type != common_pb2.FINISH_TYPE_UNSPECIFIED:
-                t.finish = pb.finished_reasons[k]
+            if t.sent is None:
+                t.sent = TokenDelta(rid=t.rid)
+            t.sent.absorb(delta)
+            if t.finished:
                 t.finished_at = now
+            tracked.append(t)
         return pb, tracked
 
     def embedding_out(self, out: BatchEmbeddingOut, scheduler_id: str) -> tuple[scheduler_pb2.BatchEmbeddingOut, list[TrackedRequest]]:
-        indices = [i for i, rid in enumerate(out.rids) if self.is_live(rid)]
-        tracked = [self._reqs[out.rids[i]] for i in indices]
-        pb = wire.batch_embedding_out_to_proto(
-            out, scheduler_id=scheduler_id, indices=indices,
-            origins=[t.origin for t in tracked], traces=[t.trace for t in tracked],
-        )
+        pb = scheduler_pb2.BatchEmbeddingOut(scheduler_id=scheduler_id)
+        tracked = []
         now = time.monotonic()
-        for k, t in enumerate(tracked):
+        for result in out.results:
+            t = self._reqs.get(result.rid)
+            if t is None or t.finished:
+                continue
+            pb.results.append(wire.embedding_to_proto(result, origin=t.origin, trace=t.trace))
             t.emissions += 1
             t.seeded = True
-            t.prompt_tokens = pb.prompt_tokens[k]
-            t.embedding = pb.embeddings[k]
-            t.finish = pb.finished_reasons[k]
-            if t.finish.type == common_pb2.FINISH_TYPE_UNSPECIFIED:
-                t.finish.type = common_pb2.FINISH_TYPE_LENGTH
+            t.embedding = result
             t.finished_at = now
+            tracked.append(t)
         return pb, tracked
 
     def resync(self, scheduler_id: str) -> list[scheduler_pb2.BatchTokenIDOut | scheduler_pb2.BatchEmbeddingOut]:
@@ -166,31 +173,15 @@ class RequestTracker:
         embeds = scheduler_pb2.BatchEmbeddingOut(scheduler_id=scheduler_id)
         for t in self._reqs.values():
             t.seeded = bool(t.emissions)
-            if not t.emissions:
-                continue
-            if t.is_embedding:
-                embeds.rids.append(t.rid)
-                embeds.origins.append(t.origin)
-                embeds.embeddings.append(t.embedding or scheduler_pb2.Embedding())
-                embeds.prompt_tokens.append(t.prompt_tokens)
-                embeds.finished_reasons.append(t.finish or common_pb2.FinishReason())
-                embeds.traces.append(t.trace)
-                continue
-            tokens.rids.append(t.rid)
-            tokens.origins.append(t.origin)
-            tokens.finished_reasons.append(t.finish or common_pb2.FinishReason())
-            tokens.output_ids.append(scheduler_pb2.TokenIds(ids=t.output_ids))
-            tokens.prompt_tokens.append(t.prompt_tokens)
-            tokens.completion_tokens.append(t.completion_tokens)
-            tokens.cached_tokens.append(t.cached_tokens)
-            tokens.seeds.append(t.seed)
-            tokens.logprobs.append(t.logprobs)
-            tokens.traces.append(t.trace)
-            tokens.retraction_counts.append(t.retraction_count)
-            tokens.token_offsets.append(0)
+            if t.embedding is not None:
+                embeds.results.append(wire.embedding_to_proto(t.embedding, origin=t.origin, trace=t.trace))
+            elif t.sent is not None:
+                tokens.deltas.append(wire.token_delta_to_proto(
+                    t.sent, origin=t.origin, token_offset=0, seed=t.seed, trace=t.trace,
+                ))
         out: list[scheduler_pb2.BatchTokenIDOut | scheduler_pb2.BatchEmbeddingOut] = []
-        if tokens.rids:
+        if tokens.deltas:
             out.append(tokens)
-        if embeds.rids:
+        if embeds.results:
             out.append(embeds)
         return out

@@ -1,9 +1,11 @@
 """Protobuf <-> domain conversion for the scheduler service (the only place both meet).
 
 Inputs: meshlm.v1 SchedulerInput payloads -> io_struct dataclasses (+ SamplingParams, where an
-unset optional field means SGLang's default). Outputs: io_struct BatchTokenIDOut /
-BatchEmbeddingOut / control replies -> meshlm.v1 messages. Per-request ring data the engine does
-not know (origin, decode seed, token offset, trace) is passed in by the caller (the tracker).
+unset optional field means SGLang's default). Outputs: one io_struct TokenDelta / EmbeddingOut
+-> one meshlm.v1 TokenDelta / EmbeddingOut (`token_delta_to_proto`, `embedding_to_proto`: the
+only builders of those messages), control replies -> meshlm.v1 messages. Per-request ring data
+the engine does not know (origin, decode seed, token offset, trace) is passed in by the caller
+(the tracker). Finish reasons convert in meshlm.common.finish.
 
 The reverse directions exist too (tests, and tools that drive a scheduler directly).
 """
@@ -12,22 +14,24 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from meshlm.common.finish import FinishReason
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
-    BatchEmbeddingOut,
-    BatchTokenIDOut,
     CloseSessionOutput,
     CloseSessionReq,
+    EmbeddingOut,
     FlushCacheOutput,
     LoadReport,
+    LogprobDelta,
     OpenSessionOutput,
     OpenSessionReq,
+    TokenDelta,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TopLogprobs,
 )
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
-from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
+from meshlm.v1 import common_pb2, scheduler_pb2
 
 # ---- sampling params ------------------------------------------------------------------------
 _OPTIONAL_SCALARS = (
@@ -137,51 +141,6 @@ def close_session_from_proto(pb: scheduler_pb2.CloseSessionReq, call_id: int = 0
     return CloseSessionReq(pb.session_id, call_id)
 
 
-# ---- finish reasons -------------------------------------------------------------------------
-_ERR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 499: "Aborted", 503: "ServiceUnavailableError"}
-
-
-def finish_reason_to_proto(reason: Optional[dict[str, Any]]) -> common_pb2.FinishReason:
-    """SGLang's finish_reason dict -> FinishReason (type UNSPECIFIED = not finished)."""
-    pb = common_pb2.FinishReason()
-    if reason is None:
-        return pb
-    kind = reason.get("type")
-    if kind == "stop":
-        pb.type = common_pb2.FINISH_TYPE_STOP
-        matched = reason.get("matched")
-        if isinstance(matched, str):
-            pb.matched_str = matched
-        elif isinstance(matched, int) and not isinstance(matched, bool):
-            pb.matched_token = matched
-    elif kind == "length":
-        pb.type = common_pb2.FINISH_TYPE_LENGTH
-        pb.length = int(reason.get("length", 0))
-    else:
-        pb.type = common_pb2.FINISH_TYPE_ABORT
-        pb.message = str(reason.get("message", ""))
-        pb.status_code = int(reason.get("status_code", 500))
-    return pb
-
-
-def finish_reason_from_proto(pb: common_pb2.FinishReason) -> Optional[dict[str, Any]]:
-    if pb.type == common_pb2.FINISH_TYPE_STOP:
-        which = pb.WhichOneof("matched")
-        return {"type": "stop", "matched": getattr(pb, which) if which else None}
-    if pb.type == common_pb2.FINISH_TYPE_LENGTH:
-        return {"type": "length", "length": pb.length}
-    if pb.type == common_pb2.FINISH_TYPE_ABORT:
-        return {
-            "type": "abort", "message": pb.message, "status_code": pb.status_code,
-            "err_type": _ERR_TYPES.get(pb.status_code, "InternalServerError"),
-        }
-    return None
-
-
-def abort_reason(message: str, status_code: int) -> common_pb2.FinishReason:
-    return common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_ABORT, message=message, status_code=status_code)
-
-
 # ---- logprobs -------------------------------------------------------------------------------
 def _token(lp: Optional[float], token_id: int) -> common_pb2.TokenLogprob:
     if lp is None:  # the first prompt token has no logprob
@@ -195,21 +154,17 @@ def _tops(rows: Sequence[TopLogprobs]) -> list[common_pb2.TopLogprobs]:
     ]
 
 
-def logprob_delta_to_proto(out: BatchTokenIDOut, i: int) -> common_pb2.LogprobDelta:
-    """Request i's logprob delta (empty message when it asked for none)."""
+def logprobs_to_proto(lp: LogprobDelta, output_ids: Sequence[int]) -> common_pb2.LogprobDelta:
+    """A delta's logprobs (output entry k is about output_ids[k])."""
     pb = common_pb2.LogprobDelta()
-    if i >= len(out.output_token_logprobs):
-        return pb
     pb.input_token_logprobs.extend(
-        _token(lp, tid) for lp, tid in zip(out.input_token_logprobs[i], out.input_token_ids[i])
+        _token(x, tid) for x, tid in zip(lp.input_token_logprobs, lp.input_token_ids)
     )
-    pb.input_top_logprobs.extend(_tops(out.input_top_logprobs[i]))
-    pb.input_token_ids_logprobs.extend(_tops(out.input_token_ids_logprobs[i]))
-    pb.output_token_logprobs.extend(
-        _token(lp, tid) for lp, tid in zip(out.output_token_logprobs[i], out.output_ids[i])
-    )
-    pb.output_top_logprobs.extend(_tops(out.output_top_logprobs[i]))
-    pb.output_token_ids_logprobs.extend(_tops(out.output_token_ids_logprobs[i]))
+    pb.input_top_logprobs.extend(_tops(lp.input_top_logprobs))
+    pb.input_token_ids_logprobs.extend(_tops(lp.input_token_ids_logprobs))
+    pb.output_token_logprobs.extend(_token(x, tid) for x, tid in zip(lp.output_token_logprobs, output_ids))
+    pb.output_top_logprobs.extend(_tops(lp.output_top_logprobs))
+    pb.output_token_ids_logprobs.extend(_tops(lp.output_token_ids_logprobs))
     return pb
 
 
@@ -217,14 +172,16 @@ def _untops(rows: Sequence[common_pb2.TopLogprobs]) -> list[TopLogprobs]:
     return [[(e.logprob, e.token_id) for e in row.entries] for row in rows]
 
 
-def append_logprobs_from_proto(out: BatchTokenIDOut, pb: common_pb2.LogprobDelta) -> None:
-    out.input_token_logprobs.append([t.logprob if t.has_logprob else None for t in pb.input_token_logprobs])
-    out.input_token_ids.append([t.token_id for t in pb.input_token_logprobs])
-    out.input_top_logprobs.append(_untops(pb.input_top_logprobs))
-    out.input_token_ids_logprobs.append(_untops(pb.input_token_ids_logprobs))
-    out.output_token_logprobs.append([t.logprob for t in pb.output_token_logprobs])
-    out.output_top_logprobs.append(_untops(pb.output_top_logprobs))
-    out.output_token_ids_logprobs.append(_untops(pb.output_token_ids_logprobs))
+def logprobs_from_proto(pb: common_pb2.LogprobDelta) -> LogprobDelta:
+    return LogprobDelta(
+        input_token_logprobs=[t.logprob if t.has_logprob else None for t in pb.input_token_logprobs],
+        input_token_ids=[t.token_id for t in pb.input_token_logprobs],
+        input_top_logprobs=_untops(pb.input_top_logprobs),
+        input_token_ids_logprobs=_untops(pb.input_token_ids_logprobs),
+        output_token_logprobs=[t.logprob for t in pb.output_token_logprobs],
+        output_top_logprobs=_untops(pb.output_top_logprobs),
+        output_token_ids_logprobs=_untops(pb.output_token_ids_logprobs),
+    )
 
 
 # ---- outputs --------------------------------------------------------------------------------
@@ -233,7 +190,6 @@ def decode_seed(
 ) -> scheduler_pb2.DecodeSeed:
     """The detokenizer's per-request parameters: prompt tail (<= 5 ids) and text flags."""
     return scheduler_pb2.DecodeSeed(
-        present=True,
         prompt_tail_ids=list(prompt_ids[-5:]),
         skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
@@ -242,75 +198,64 @@ def decode_seed(
     )
 
 
-def batch_token_id_out_to_proto(
-    out: BatchTokenIDOut,
+def token_delta_to_proto(
+    delta: TokenDelta,
     *,
-    scheduler_id: str,
-    indices: Sequence[int],
-    origins: Sequence[str],
-    seeds: Sequence[Optional[scheduler_pb2.DecodeSeed]],
-    token_offsets: Sequence[int],
-    traces: Sequence[Optional[common_pb2.TraceContext]],
-) -> scheduler_pb2.BatchTokenIDOut:
-    """Requests `indices` of a domain BatchTokenIDOut with their ring data (parallel to
-    indices; a None seed / trace is sent as an empty message)."""
-    pb = scheduler_pb2.BatchTokenIDOut(scheduler_id=scheduler_id)
-    for k, i in enumerate(indices):
-        pb.rids.append(out.rids[i])
-        pb.origins.append(origins[k])
-        pb.finished_reasons.append(finish_reason_to_proto(out.finished_reasons[i]))
-        pb.output_ids.append(scheduler_pb2.TokenIds(ids=out.output_ids[i]))
-        pb.prompt_tokens.append(out.prompt_tokens[i])
-        pb.completion_tokens.append(out.completion_tokens[i])
-        pb.cached_tokens.append(out.cached_tokens[i])
-        pb.seeds.append(seeds[k] or scheduler_pb2.DecodeSeed())
-        pb.logprobs.append(logprob_delta_to_proto(out, i))
-        pb.traces.append(traces[k] or common_pb2.TraceContext())
-        pb.retraction_counts.append(out.retraction_counts[i] if i < len(out.retraction_counts) else 0)
-        pb.token_offsets.append(token_offsets[k])
+    origin: str,
+    token_offset: int,
+    seed: Optional[scheduler_pb2.DecodeSeed],
+    trace: Optional[common_pb2.TraceContext],
+) -> scheduler_pb2.TokenDelta:
+    """One request's wire delta: the engine's delta plus its ring data. Unset: finish_reason
+    while running, logprobs when the request asked for none, seed when it is not due."""
+    pb = scheduler_pb2.TokenDelta(
+        rid=delta.rid,
+        origin=origin,
+        output_ids=delta.output_ids,
+        token_offset=token_offset,
+        prompt_tokens=delta.prompt_tokens,
+        completion_tokens=delta.completion_tokens,
+        cached_tokens=delta.cached_tokens,
+        retraction_count=delta.retraction_count,
+    )
+    if delta.finish_reason is not None:
+        pb.finish_reason.CopyFrom(delta.finish_reason.to_proto())
+    if delta.logprobs is not None:
+        pb.logprobs.CopyFrom(logprobs_to_proto(delta.logprobs, delta.output_ids))
+    if seed is not None:
+        pb.seed.CopyFrom(seed)
+    if trace is not None:
+        pb.trace.CopyFrom(trace)
     return pb
 
 
-def batch_token_id_out_from_proto(pb: scheduler_pb2.BatchTokenIDOut) -> BatchTokenIDOut:
-    """The domain view of a wire batch (ring data — origins, seeds, offsets, traces — dropped)."""
-    out = BatchTokenIDOut()
-    for i, rid in enumerate(pb.rids):
-        out.rids.append(rid)
-        out.finished_reasons.append(finish_reason_from_proto(pb.finished_reasons[i]))
-        out.output_ids.append(list(pb.output_ids[i].ids))
-        out.prompt_tokens.append(pb.prompt_tokens[i])
-        out.completion_tokens.append(pb.completion_tokens[i])
-        out.cached_tokens.append(pb.cached_tokens[i])
-        out.retraction_counts.append(pb.retraction_counts[i])
-        append_logprobs_from_proto(out, pb.logprobs[i])
-    return out
+def token_delta_from_proto(pb: scheduler_pb2.TokenDelta) -> TokenDelta:
+    """The engine's view of a wire delta (ring data — origin, seed, offset, trace — dropped)."""
+    return TokenDelta(
+        rid=pb.rid,
+        output_ids=list(pb.output_ids),
+        finish_reason=FinishReason.from_proto(pb.finish_reason),
+        prompt_tokens=pb.prompt_tokens,
+        completion_tokens=pb.completion_tokens,
+        cached_tokens=pb.cached_tokens,
+        retraction_count=pb.retraction_count,
+        logprobs=logprobs_from_proto(pb.logprobs) if pb.HasField("logprobs") else None,
+    )
 
 
-def batch_embedding_out_to_proto(
-    out: BatchEmbeddingOut,
-    *,
-    scheduler_id: str,
-    indices: Sequence[int],
-    origins: Sequence[str],
-    traces: Sequence[Optional[common_pb2.TraceContext]],
-) -> scheduler_pb2.BatchEmbeddingOut:
-    pb = scheduler_pb2.BatchEmbeddingOut(scheduler_id=scheduler_id)
-    for k, i in enumerate(indices):
-        pb.rids.append(out.rids[i])
-        pb.origins.append(origins[k])
-        pb.embeddings.append(scheduler_pb2.Embedding(values=out.embeddings[i] or []))
-        pb.prompt_tokens.append(out.prompt_tokens[i])
-        pb.finished_reasons.append(finish_reason_to_proto(out.finished_reasons[i]))
-        pb.traces.append(traces[k] or common_pb2.TraceContext())
+def embedding_to_proto(
+    out: EmbeddingOut, *, origin: str, trace: Optional[common_pb2.TraceContext]
+) -> scheduler_pb2.EmbeddingOut:
+    pb = scheduler_pb2.EmbeddingOut(
+        rid=out.rid,
+        origin=origin,
+        embedding=out.embedding,
+        prompt_tokens=out.prompt_tokens,
+        finish_reason=out.finish_reason.to_proto(),
+    )
+    if trace is not None:
+        pb.trace.CopyFrom(trace)
     return pb
-
-
-def tokens_input(pb: scheduler_pb2.BatchTokenIDOut) -> detokenizer_pb2.DetokenizerInput:
-    return detokenizer_pb2.DetokenizerInput(tokens=pb)
-
-
-def embeddings_input(pb: scheduler_pb2.BatchEmbeddingOut) -> detokenizer_pb2.DetokenizerInput:
-    return detokenizer_pb2.DetokenizerInput(embeddings=pb)
 
 
 # ---- control replies ------------------------------------------------------------------------
@@ -350,6 +295,5 @@ def control_reply(call_id: int, out: Any, scheduler_id: str) -> scheduler_pb2.Sc
 
 def request_error(rid: str, message: str, status_code: int) -> scheduler_pb2.SchedulerOutput:
     """An early error for one request on its origin's Connect stream."""
-    return scheduler_pb2.SchedulerOutput(
-        error=scheduler_pb2.RequestError(rid=rid, reason=abort_reason(message, status_code))
-    )
+    reason = FinishReason.aborted(message, status_code).to_proto()
+    return scheduler_pb2.SchedulerOutput(error=scheduler_pb2.RequestError(rid=rid, reason=reason))

@@ -10,7 +10,6 @@ import pytest
 from meshlm.common.tls import (
     PLAINTEXT,
     TlsConfig,
-    add_health_port_cli_arg,
     add_tls_cli_args,
     validate_health_port,
 )
@@ -95,7 +94,6 @@ def test_files_are_read_once_at_start(pki: Pki, tmp_path: Path) -> None:
 def _parser(env_prefix: str | None, environ: dict[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     add_tls_cli_args(parser, env_prefix, environ)
-    add_health_port_cli_arg(parser, env_prefix or "X_", environ)
     return parser
 
 
@@ -107,24 +105,23 @@ def test_flags_and_environment(pki: Pki) -> None:
         str(pki.key_file),
         "--tls-ca-file",
         str(pki.ca_file),
-        "--health-port",
-        "8081",
     ]
     ns = _parser("MESHLM_X_", {}).parse_args(flags)
-    assert TlsConfig.from_cli_args(ns) == pki.tls() and ns.health_port == 8081
+    assert TlsConfig.from_cli_args(ns) == pki.tls()
     env = {
         "MESHLM_X_TLS_CERT_FILE": str(pki.cert_file),
         "MESHLM_X_TLS_KEY_FILE": str(pki.key_file),
-        "MESHLM_X_HEALTH_PORT": "9000",
     }
     ns = _parser("MESHLM_X_", env).parse_args([])
-    assert TlsConfig.from_cli_args(ns) == pki.tls(mutual=False) and ns.health_port == 9000
+    assert TlsConfig.from_cli_args(ns) == pki.tls(mutual=False)
     assert TlsConfig.from_env("MESHLM_X_", env) == pki.tls(mutual=False)
-    # without environment defaults, from_cli_args can fall back to it; a flag wins
-    ns = _parser(None, env).parse_args(["--tls-ca-file", str(pki.ca_file)])
-    assert TlsConfig.from_cli_args(ns, "MESHLM_X_", env) == pki.tls()
+    # a flag wins over the environment; without an env prefix the environment is not read
+    ns = _parser("MESHLM_X_", env).parse_args(["--tls-ca-file", str(pki.ca_file)])
+    assert TlsConfig.from_cli_args(ns) == pki.tls()
     assert _parser(None, env).parse_args([]).tls_cert_file is None
-    assert _parser("MESHLM_X_", {}).parse_args([]).health_port is None
+    assert TlsConfig.from_env("MESHLM_X_", {"MESHLM_X_TLS_CERT_FILE": ""}) == PLAINTEXT
+    help_text = _parser("MESHLM_X_", {}).format_help()
+    assert "MESHLM_X_TLS_CA_FILE" in help_text and "--tls-key-file PATH" in help_text
 
 
 @pytest.mark.parametrize(
@@ -165,20 +162,23 @@ def test_every_component_takes_the_same_flags(pki: Pki, monkeypatch: pytest.Monk
     assert tok.tls == pki.tls() and tok.health_port == 8081
     assert '"tls": {"ca_file"' in tok.to_json()
     p = argparse.ArgumentParser()
-    DetokenizerConfig.add_cli_args(p, env={})
+    DetokenizerConfig.add_cli_args(p, environ={})
     detok = DetokenizerConfig.from_cli_args(p.parse_args([*flags, "--tokenizer-path", "t"]))
     assert detok.tls == pki.tls() and detok.health_port is None
     svc, _ = scheduler_args([*flags, "--health-port", "8081"])
     assert svc.tls == pki.tls() and svc.health_port == 8081
-    p = argparse.ArgumentParser()
-    GatewayConfig.add_cli_args(p)
-    assert GatewayConfig.from_cli_args(p.parse_args(flags), env={}).tls == pki.tls()
+    def gateway(argv: list[str], env: dict[str, str]) -> GatewayConfig:
+        p = argparse.ArgumentParser()
+        GatewayConfig.add_cli_args(p, environ=env)
+        return GatewayConfig.from_cli_args(p.parse_args(argv))
+
+    assert gateway(flags, {}).tls == pki.tls()
     env = {
         "MESHLM_GATEWAY_TLS_CERT_FILE": str(pki.cert_file),
         "MESHLM_GATEWAY_TLS_KEY_FILE": str(pki.key_file),
     }
-    assert GatewayConfig.from_cli_args(p.parse_args([]), env=env).tls == pki.tls(mutual=False)
-    assert GatewayConfig.from_cli_args(p.parse_args([]), env={}).tls == PLAINTEXT
+    assert gateway([], env).tls == pki.tls(mutual=False)
+    assert gateway([], {}).tls == PLAINTEXT
 
     monkeypatch.setenv("MESHLM_TOKENIZER_TLS_CERT_FILE", str(pki.cert_file))
     monkeypatch.setenv("MESHLM_TOKENIZER_TLS_KEY_FILE", str(pki.key_file))

@@ -12,7 +12,7 @@ from meshlm.detokenizer.config import DetokenizerConfig
 
 def parse(argv: list[str], env: dict[str, str]) -> DetokenizerConfig:
     parser = argparse.ArgumentParser()
-    DetokenizerConfig.add_cli_args(parser, env=env)
+    DetokenizerConfig.add_cli_args(parser, environ=env)
     return DetokenizerConfig.from_cli_args(parser.parse_args(argv))
 
 

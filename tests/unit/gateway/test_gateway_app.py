@@ -117,23 +117,29 @@ def test_metrics(offline_client):
 
 
 def test_config_flags_env_and_defaults():
-    parser = argparse.ArgumentParser()
-    GatewayConfig.add_cli_args(parser)
-    default = GatewayConfig.from_cli_args(parser.parse_args([]), env={})
+    def parser(env):
+        p = argparse.ArgumentParser()
+        GatewayConfig.add_cli_args(p, environ=env)
+        return p
+
+    default = GatewayConfig.from_cli_args(parser({}).parse_args([]))
     assert default == GatewayConfig()
     env = {"MESHLM_GATEWAY_PORT": "8001", "MESHLM_GATEWAY_TOKENIZER_ADDRS": "a:1,b:2",
            "MESHLM_GATEWAY_API_KEY": "k", "MESHLM_GATEWAY_GRACE_PERIOD_S": "2.5"}
-    from_env = GatewayConfig.from_cli_args(parser.parse_args([]), env=env)
+    from_env = GatewayConfig.from_cli_args(parser(env).parse_args([]))
     assert (from_env.port, from_env.tokenizer_addrs, from_env.api_key, from_env.grace_period_s) == (
         8001, ("a:1", "b:2"), "k", 2.5)
+    assert GatewayConfig.from_env(env) == from_env
+    help_text = parser({"MESHLM_GATEWAY_API_KEY": "s3cr3t"}).format_help()
+    assert "MESHLM_GATEWAY_API_KEY" in help_text and "s3cr3t" not in help_text  # --help keeps secrets
     flags = GatewayConfig.from_cli_args(
-        parser.parse_args(["--port", "9000", "--tokenizer-addrs", "c:3", "--served-model-name", "m",
-                           "--request-timeout-s", "5", "--log-format", "json"]), env=env)
+        parser(env).parse_args(["--port", "9000", "--tokenizer-addrs", "c:3", "--served-model-name", "m",
+                                "--request-timeout-s", "5", "--log-format", "json"]))
     assert (flags.port, flags.tokenizer_addrs, flags.served_model_name, flags.request_timeout_s, flags.log_format) == (
         9000, ("c:3",), "m", 5.0, "json")
     assert flags.api_key == "k"  # env still fills what flags leave out
     with pytest.raises(SystemExit):
-        parser.parse_args(["--tokenizer-addrs", "no-port"])
+        parser({}).parse_args(["--tokenizer-addrs", "no-port"])
     with pytest.raises(ValueError):
         GatewayConfig(tokenizer_addrs=())
     with pytest.raises(dataclasses.FrozenInstanceError):

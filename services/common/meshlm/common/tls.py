@@ -23,11 +23,13 @@ the server's certificate against that name, not the IP: pass it as `server_name`
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
 import grpc
+
+from meshlm.common.flags import Flag, add_config_flags, config_values, env_values
 
 FLAGS = {  # field -> flag
     "cert_file": "--tls-cert-file",
@@ -102,31 +104,16 @@ class TlsConfig:
         )
 
     @staticmethod
-    def from_cli_args(
-        ns: argparse.Namespace,
-        env_prefix: Optional[str] = None,
-        environ: Optional[Mapping[str, str]] = None,
-    ) -> "TlsConfig":
-        """From the flags add_tls_cli_args added; with env_prefix, an unset flag falls back to
-        its environment variable (for parsers built without environment defaults)."""
-        env = os.environ if environ is None else environ
-        values = {}
-        for name in FLAGS:
-            value = getattr(ns, "tls_" + name)
-            if value is None and env_prefix is not None:
-                value = env.get(_env_name(env_prefix, name))
-            values[name] = value
-        return TlsConfig(**values)
+    def from_cli_args(ns: argparse.Namespace) -> "TlsConfig":
+        """From the flags add_tls_cli_args added (environment fallbacks already applied)."""
+        return TlsConfig(**config_values(_CLI_FLAGS, ns, dest_prefix=DEST_PREFIX))
 
     @staticmethod
     def from_env(env_prefix: str, environ: Optional[Mapping[str, str]] = None) -> "TlsConfig":
         """From <env_prefix>TLS_CERT_FILE, ..._TLS_KEY_FILE, ..._TLS_CA_FILE."""
-        env = os.environ if environ is None else environ
-        return TlsConfig(**{name: env.get(_env_name(env_prefix, name)) for name in FLAGS})
-
-
-def _env_name(env_prefix: str, field: str) -> str:
-    return env_prefix + "TLS_" + field.upper()
+        return TlsConfig(
+            **env_values(TlsConfig, _CLI_FLAGS, env_prefix, environ, dest_prefix=DEST_PREFIX)
+        )
 
 
 def _read_pem(flag: str, path: Optional[str]) -> Optional[bytes]:
@@ -186,15 +173,25 @@ def sync_channel(
 
 
 # ---- command line --------------------------------------------------------------------------
-_HELP = {
-    "cert_file": "PEM certificate (chain) of this service: its gRPC server's certificate and "
-    "the client certificate it presents to the services it calls. Setting it turns TLS on for "
-    "every gRPC link of the service",
-    "key_file": "PEM private key of --tls-cert-file",
-    "ca_file": "PEM CA bundle. With it, servers require client certificates signed by it (mTLS) "
-    "and clients verify servers against it and present their own certificate; without it, "
-    "servers ask for no client certificate and clients verify against the system roots",
-}
+DEST_PREFIX = "tls_"  # argparse dests tls_cert_file, ...; env <prefix>TLS_CERT_FILE, ...
+_CLI_FLAGS: Mapping[str, Flag] = MappingProxyType(
+    {
+        "cert_file": Flag(
+            "PEM certificate (chain) of this service: its gRPC server's certificate and the "
+            "client certificate it presents to the services it calls. Setting it turns TLS on "
+            "for every gRPC link of the service",
+            metavar="PATH",
+        ),
+        "key_file": Flag("PEM private key of --tls-cert-file", metavar="PATH"),
+        "ca_file": Flag(
+            "PEM CA bundle. With it, servers require client certificates signed by it (mTLS) "
+            "and clients verify servers against it and present their own certificate; without "
+            "it, servers ask for no client certificate and clients verify against the system "
+            "roots",
+            metavar="PATH",
+        ),
+    }
+)
 
 
 def add_tls_cli_args(
@@ -203,40 +200,16 @@ def add_tls_cli_args(
     environ: Optional[Mapping[str, str]] = None,
 ) -> None:
     """--tls-cert-file, --tls-key-file, --tls-ca-file (dests tls_*), each defaulting to
-    <env_prefix>TLS_<NAME> from the environment (env_prefix None: no environment); read them
-    back with TlsConfig.from_cli_args."""
-    env = os.environ if environ is None else environ
+    <env_prefix>TLS_<NAME> from the environment (env_prefix None: no environment), the
+    meshlm.common.flags way; read them back with TlsConfig.from_cli_args."""
     group = parser.add_argument_group(
         "TLS",
         "TLS / mutual TLS on the gRPC links (all unset: plaintext). Every meshlm service "
         "takes the same three flags; give them all one CA for mTLS.",
     )
-    for name, flag in FLAGS.items():
-        var = _env_name(env_prefix, name) if env_prefix is not None else None
-        group.add_argument(
-            flag,
-            dest="tls_" + name,
-            metavar="PATH",
-            default=(env.get(var) or None) if var is not None else None,
-            help=f"{_HELP[name]} ({f'env {var}; ' if var else ''}default: unset)",
-        )
-
-
-def add_health_port_cli_arg(
-    parser: argparse.ArgumentParser, env_prefix: str, environ: Optional[Mapping[str, str]] = None
-) -> None:
-    """--health-port (dest health_port, int or None), defaulting to <env_prefix>HEALTH_PORT."""
-    env = os.environ if environ is None else environ
-    var = env_prefix + "HEALTH_PORT"
-    parser.add_argument(
-        HEALTH_PORT_FLAG,
-        dest="health_port",
-        type=int,
-        metavar="PORT",
-        default=env.get(var) or None,
-        help="also serve grpc.health.v1, and nothing else, in plaintext on this port: Kubernetes' "
-        "native gRPC probes cannot speak TLS, so with --tls-cert-file point them here "
-        f"(env {var}; default: off)",
+    add_config_flags(
+        group, TlsConfig, _CLI_FLAGS, env_prefix=env_prefix, environ=environ,
+        dest_prefix=DEST_PREFIX,
     )
 
 

@@ -56,16 +56,17 @@ def _engine_args(config: object) -> list[str]:
     """Engine flags that differ from their defaults, as scheduler command-line arguments."""
     import dataclasses
 
+    from meshlm.common.flags import option
+
     out: list[str] = []
     for f in dataclasses.fields(config):  # type: ignore[arg-type]
         value = getattr(config, f.name)
         if f.name in ("model_path", "tokenizer_path") or value == f.default:
             continue
-        flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
-            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            out.append(option(f.name) if value else option("no_" + f.name))
         else:
-            out += [flag, str(value)]
+            out += [option(f.name), str(value)]
     return out
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+from meshlm.common.flags import Flag, add_config_flags
 
 POLICIES = ("fcfs", "lpm")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -15,7 +17,8 @@ FUSED_OPS = ("auto", "torch")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Every field is a CLI flag (`--model-path` style, underscores become dashes).
+    """Every field is a CLI flag (`--model-path` style, underscores become dashes; the
+    scheduler service also reads each from MESHLM_SCHEDULER_<FIELD>).
 
     Sizes left as None are derived at start-up from the model and the memory budget.
     """
@@ -83,11 +86,16 @@ class SchedulerConfig:
 
     # ---- CLI ------------------------------------------------------------------------------
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field, defaults and help taken from the dataclass."""
+    def add_cli_args(
+        parser: argparse.ArgumentParser,
+        env_prefix: Optional[str] = None,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        """Add one flag per field (meshlm.common.flags: bools are --x / --no-x); with env_prefix
+        each defaults to its <env_prefix><FIELD> environment variable when set."""
         helps = {
-            "model_path": "HF-format model directory or .gguf file (default: packaged SmolLM2-135M-Instruct)",
-            "tokenizer_path": "tokenizer directory (default: the model's)",
+            "model_path": "HF-format model directory or .gguf file; unset = the packaged SmolLM2-135M-Instruct",
+            "tokenizer_path": "tokenizer directory; unset = the model's",
             "dtype": (
                 "auto | float32 | bfloat16 | float16; auto = bfloat16 on a CPU with native bf16 "
                 "(avx512_bf16 or amx_bf16), float32 on other CPUs, the checkpoint's dtype on CUDA"
@@ -95,8 +103,8 @@ class SchedulerConfig:
             "device": "auto | cpu | cuda",
             "context_length": "override the model's context length",
             "page_size": "tokens per KV page",
-            "max_total_tokens": "KV pool size in tokens (default: from the memory budget)",
-            "kv_cache_memory_gb": "KV budget in GiB (CPU default 2)",
+            "max_total_tokens": "KV pool size in tokens; unset = from the memory budget",
+            "kv_cache_memory_gb": "KV budget in GiB; unset = 2 on CPU",
             "mem_fraction_static": "CUDA: fraction of free GPU memory for weights + KV",
             "max_running_requests": "most requests decoding at once",
             "max_prefill_tokens": "token budget of one prefill batch",
@@ -124,16 +132,12 @@ class SchedulerConfig:
             ),
             "load_progress": "show a progress bar while loading weights",
         }
-        for f in fields(SchedulerConfig):
-            flags = ["--" + f.name.replace("_", "-")] + (["--model"] if f.name == "model_path" else [])
-            if f.type in ("bool", bool):
-                parser.add_argument(
-                    *flags, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name]
-                )
-                continue
-            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-            text = helps[f.name] if f.default is None else f"{helps[f.name]} (default: {f.default})"
-            parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=text)
+        flags = {
+            name: Flag(text, aliases=("--model",) if name == "model_path" else ())
+            for name, text in helps.items()
+        }
+        group = parser.add_argument_group("engine")
+        add_config_flags(group, SchedulerConfig, flags, env_prefix=env_prefix, environ=environ)
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> "SchedulerConfig":

@@ -74,3 +74,20 @@ def test_small_pool_forces_retraction(smollm_path: str, golden) -> None:
         assert [r["output_ids"] for r in results] == [g.output_ids for g in many]
         assert eng.scheduler.stats.num_retracted > 0
         assert_pools_whole(eng)
+
+
+def test_default_model_decodes_small_batches_from_its_gguf_blocks(engine: Engine) -> None:
+    """SmolLM2 ships as GGUF Q4_1 with a Q8_0 embedding (the tied LM head): on CPU every linear
+    streams those blocks at batch 1..4 (the golden tests above ran through them)."""
+    from meshlm.scheduler.layers.cpu_gemm import prepack_supported
+    from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    runner = engine.scheduler.tp_worker.model_runner
+    if runner.device.type != "cpu" or not prepack_supported() or engine.config.fused_ops != "auto":
+        pytest.skip("the small-batch GEMV path is the CPU's")
+    linears = [m for m in runner.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    formats = {m.packed.small.format for m in linears if m.packed is not None and m.packed.small is not None}
+    head = runner.model.logits_processor.packed_head
+    assert len(linears) == 4 * runner.model_config.num_hidden_layers
+    assert formats == {"q4_1"}
+    assert head is not None and head.small is not None and head.small.format == "q8_0"

@@ -73,13 +73,13 @@ def test_prepack_leaves_the_global_rng_alone() -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5])  # 1..4 take the GEMV kernel, 5 oneDNN
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_batches_stream_the_dense_weight_through_gemv(rows: int, bias: bool) -> None:
-    from meshlm.scheduler.kernels.cpu_ops import load_cpu_ops
+def test_small_batches_stream_the_weight_through_gemv(rows: int, bias: bool) -> None:
+    from meshlm.scheduler.kernels.gemv import load_gemv_ops
 
     torch.manual_seed(rows)
     w, b = torch.randn(300, 96), torch.randn(300) if bias else None
-    packed = PackedLinear(w, b, gemv_ops=load_cpu_ops())
-    assert packed.dense is not None and packed.matches(w, b)
+    packed = PackedLinear(w, b, gemv_ops=load_gemv_ops())
+    assert packed.small is not None and packed.small.format == "f32" and packed.matches(w, b)
     wide = torch.randn(rows, 200)
     x = wide[:, 50:146]  # strided rows, as a view of a wider activation
     assert torch.allclose(packed(x), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)

@@ -4,8 +4,7 @@ A decoder layer in eager torch runs ~25 small ops (RMSNorm alone is seven: add, 
 mean, rsqrt, two multiplies), each reading and writing a temporary; at decode sizes each costs
 more in dispatch than in arithmetic. Here RMSNorm with its residual add, RoPE on the packed qkv
 row and SiLU·mul are one pass each. float32 and bfloat16 CPU tensors; anything else takes the
-torch path (callers check `supports`). Also a float32 GEMV for linears at 1..GEMV_MAX_ROWS rows
-(used by layers/cpu_gemm.py), where the product is bound by streaming the weight once.
+torch path (callers check `supports`). The small-batch linears are in kernels/gemv.py.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROW = 32768  # csrc/cpu_ops.c: the longest row (hidden size, intermediate size) it takes
-GEMV_MAX_ROWS = 4  # up to this many rows a linear streams its weight (meshlm_gemv_f32)
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -44,9 +42,7 @@ class CpuOps:
         self._rope.argtypes = [p, c_int, i64, i64, c_int, c_int, c_int, p, p, p, i64, c_int]
         self._silu = lib.meshlm_silu_mul
         self._silu.argtypes = [p, p, c_int, i64, c_int, i64, i64, c_int]
-        self._gemv = lib.meshlm_gemv_f32
-        self._gemv.argtypes = [p, i64, p, p, p, c_int, i64, c_int, c_int]
-        for fn in (self._norm, self._rope, self._silu, self._gemv):
+        for fn in (self._norm, self._rope, self._silu):
             fn.restype = c_int
 
     @staticmethod
@@ -105,22 +101,6 @@ class CpuOps:
                         gate_up.stride(0), out.stride(0), torch.get_num_threads())
         if rc:
             raise ValueError(f"silu_mul: unsupported width {two_i}")
-        return out
-
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [M <= GEMV_MAX_ROWS, K] @ weight[N, K]^T (+ bias), float32, weight contiguous."""
-        m, k = x.shape
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous() \
-                or weight.shape[1] != k or not _rows(x) or not 1 <= m <= GEMV_MAX_ROWS:
-            raise ValueError(f"gemv needs float32 x [1..{GEMV_MAX_ROWS}, K] and a contiguous [N, K] weight")
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
-                                 or bias.shape != (weight.shape[0],)):
-            raise ValueError("gemv bias must be a contiguous float32 [N]")
-        out = torch.empty((m, weight.shape[0]), dtype=torch.float32)
-        rc = self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                        out.data_ptr(), m, weight.shape[0], k, torch.get_num_threads())
-        if rc:
-            raise ValueError(f"gemv: unsupported shape {tuple(x.shape)}")
         return out
 
 

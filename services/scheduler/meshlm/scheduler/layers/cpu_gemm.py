@@ -4,8 +4,9 @@ F.linear on CPU hands every call to MKL's sgemm, which re-packs the weight panel
 at decode sizes (tens of rows against a few-MB weight) that packing is a large share of the
 work. oneDNN's matmul with the weight reordered at start-up into its blocked layout for this CPU
 (the layout inductor's CPU weight prepacking uses) skips it. The packed weight is an opaque
-oneDNN tensor; results equal F.linear up to summation order. In float32, with the fused CPU ops,
-the dense weight is kept beside it for decode batches of 1..GEMV_MAX_ROWS rows (PackedLinear).
+oneDNN tensor; results equal F.linear up to summation order. In float32, with the small-batch
+GEMV kernels, decode batches of 1..GEMV_MAX_ROWS rows stream the weight in the smallest format
+that holds it exactly instead (kernels/gemv.py: the GGUF's Q4_1 / Q8_0 blocks, else a dense copy).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from meshlm.scheduler.kernels.cpu_ops import GEMV_MAX_ROWS
+from meshlm.scheduler.kernels.gemv import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
-    from meshlm.scheduler.kernels.cpu_ops import CpuOps
+    from meshlm.scheduler.kernels.gemv import GemvOps, GemvWeight
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def prepack_supported() -> bool:
 
 
 def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor],
-             gemv_ops: Optional["CpuOps"] = None) -> Optional[PackedLinear]:
+             gemv_ops: Optional["GemvOps"] = None) -> Optional[PackedLinear]:
     """A checked PackedLinear, or None where this torch build or CPU cannot pack `weight`
     (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees."""
     if not prepack_supported() or weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES:
@@ -51,14 +52,15 @@ def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor],
 class PackedLinear:
     """y = x W^T (+ b) for x [T, in] with W [out, in] held in oneDNN's blocked layout.
 
-    With `gemv_ops` (float32), the dense W is kept too and batches of at most GEMV_MAX_ROWS rows
-    stream it through our GEMV kernel: there the product is bound by reading W once, and the
-    library GEMVs reach about half of the memory bandwidth two threads get (measured on an AVX2
-    EPYC: 9-13 vs 17-18 GB/s). That costs a second copy of the weight.
+    With `gemv_ops` (float32), batches of at most GEMV_MAX_ROWS rows stream W through our GEMV
+    kernels instead: there the product is bound by reading W once, and the library GEMVs reach
+    about half of the memory bandwidth two threads get (measured on an AVX2 EPYC: 9-13 vs 17-18
+    GB/s). W is then held a second time, in the smallest exact format (`small`): a dequantized
+    GGUF's Q4_1 blocks take 0.75 byte a weight, any other weight a dense float32 copy.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int = BATCH_HINT,
-                 gemv_ops: Optional["CpuOps"] = None) -> None:
+                 gemv_ops: Optional["GemvOps"] = None) -> None:
         if weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES or weight.dim() != 2:
             raise ValueError(f"PackedLinear needs a 2-D CPU weight of {PACK_DTYPES}")
         self.out_features, self.in_features = weight.shape
@@ -67,15 +69,15 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().contiguous()
         use_gemv = gemv_ops is not None and weight.dtype == torch.float32
         self.gemv_ops = gemv_ops if use_gemv else None
-        self.dense = weight.detach().contiguous() if use_gemv else None
+        self.small: Optional["GemvWeight"] = gemv_ops.build(weight) if gemv_ops is not None and use_gemv else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             lead = x.shape[:-1]
             return self(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
-        if self.gemv_ops is not None and self.dense is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS \
+        if self.gemv_ops is not None and self.small is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS \
                 and x.dtype == torch.float32:
-            return self.gemv_ops.gemv(x if x.stride(1) == 1 else x.contiguous(), self.dense, self.bias)
+            return self.gemv_ops.gemv(x if x.stride(1) == 1 else x.contiguous(), self.small, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
     def matches(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
@@ -94,10 +96,10 @@ class PackedLinear:
 
 
 def prepack_weight(module: torch.nn.Module, with_bias: bool,
-                   gemv_ops: Optional["CpuOps"] = None) -> Optional[PackedLinear]:
+                   gemv_ops: Optional["GemvOps"] = None) -> Optional[PackedLinear]:
     """A PackedLinear of `module.weight` (and its bias if with_bias); the module's parameter is
-    then an empty tensor of its dtype (the PackedLinear holds the dense weight only where it uses
-    it for small batches). None when this torch build or CPU cannot (the module keeps its dense
+    then an empty tensor of its dtype (the PackedLinear holds a small-batch copy of the weight
+    only where it streams it for small batches). None when this torch build or CPU cannot (the module keeps its dense
     weight)."""
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
     bias = module.bias if with_bias else None  # type: ignore[assignment]

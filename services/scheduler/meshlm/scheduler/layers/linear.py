@@ -19,7 +19,7 @@ from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear, prepack_weight
 
 if TYPE_CHECKING:
-    from meshlm.scheduler.kernels.cpu_ops import CpuOps
+    from meshlm.scheduler.kernels.gemv import GemvOps
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -63,7 +63,7 @@ class ColumnParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[0])
         _copy_into(param.data, loaded.narrow(0, start, n), "column-parallel")
 
-    def prepack(self, gemv_ops: Optional["CpuOps"] = None) -> bool:
+    def prepack(self, gemv_ops: Optional["GemvOps"] = None) -> bool:
         self.packed = prepack_weight(self, with_bias=True, gemv_ops=gemv_ops)
         return self.packed is not None
 
@@ -105,7 +105,7 @@ class RowParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[1])
         _copy_into(param.data, loaded.narrow(1, start, n), "row-parallel")
 
-    def prepack(self, gemv_ops: Optional["CpuOps"] = None) -> bool:
+    def prepack(self, gemv_ops: Optional["GemvOps"] = None) -> bool:
         self.packed = prepack_weight(self, with_bias=False, gemv_ops=gemv_ops)
         return self.packed is not None
 

@@ -17,7 +17,7 @@ from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear, try_pack
 
 if TYPE_CHECKING:
-    from meshlm.scheduler.kernels.cpu_ops import CpuOps
+    from meshlm.scheduler.kernels.gemv import GemvOps
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -38,7 +38,7 @@ class LogitsProcessor(nn.Module):
         # caller's (with tied embeddings it is also the embedding table).
         self.packed_head: Optional[PackedLinear] = None
 
-    def prepack(self, lm_head_weight: torch.Tensor, gemv_ops: Optional["CpuOps"] = None) -> bool:
+    def prepack(self, lm_head_weight: torch.Tensor, gemv_ops: Optional["GemvOps"] = None) -> bool:
         self.packed_head = try_pack(lm_head_weight, None, gemv_ops)
         return self.packed_head is not None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -19,8 +20,9 @@ import torch
 from meshlm.scheduler.attention import create_backend
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
-from meshlm.scheduler.kernels.cpu_ops import CpuOps, cpu_ops_or_none
-from meshlm.scheduler.layers.cpu_gemm import prepack_supported
+from meshlm.scheduler.kernels.cpu_ops import cpu_ops_or_none
+from meshlm.scheduler.kernels.gemv import GemvOps, gemv_ops_or_none
+from meshlm.scheduler.layers.cpu_gemm import PackedLinear, prepack_supported
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
@@ -126,8 +128,8 @@ class ModelRunner:
         SiluAndMul, the RoPE of LlamaModel). fused_ops=torch keeps plain eager torch."""
         if self.device.type != "cpu" or self.config.fused_ops != "auto":
             return
+        self.prepack_linears(gemv_ops_or_none())
         ops = cpu_ops_or_none()
-        self.prepack_linears(ops)
         if ops is None:
             return
         n = 0
@@ -137,22 +139,30 @@ class ModelRunner:
                 n += 1
         logger.info("fused CPU ops (RMSNorm + residual, RoPE, SiLU*mul) in %d modules", n)
 
-    def prepack_linears(self, gemv_ops: Optional[CpuOps] = None) -> None:
+    def prepack_linears(self, gemv_ops: Optional[GemvOps] = None) -> None:
         """Every linear layer's weight (and the LM head) into oneDNN's blocked layout
         (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
-        (float32), batches of <= 4 rows stream a kept dense copy through our GEMV kernel."""
+        (float32), batches of <= 4 rows stream a second copy of each weight, in the smallest
+        format that holds it exactly, through our GEMV kernels (kernels/gemv.py)."""
         if not prepack_supported():
             logger.warning("oneDNN is not available in this torch build; linears use F.linear")
             return
-        t0, n = time.perf_counter(), 0
+        t0 = time.perf_counter()
+        packed: list[PackedLinear] = []
         for module in self.model.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                n += bool(module.prepack(gemv_ops))
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(gemv_ops):
+                assert module.packed is not None
+                packed.append(module.packed)
         head = getattr(self.model, "lm_head", None)
         logits = getattr(self.model, "logits_processor", None)
-        if head is not None and logits is not None:
-            n += bool(logits.prepack(head.weight, gemv_ops))
-        logger.info("prepacked %d linear weights for oneDNN in %.2fs", n, time.perf_counter() - t0)
+        if head is not None and logits is not None and logits.prepack(head.weight, gemv_ops):
+            assert logits.packed_head is not None
+            packed.append(logits.packed_head)
+        formats = Counter(p.small.format for p in packed if p.small is not None)
+        small_mib = sum(p.small.nbytes() for p in packed if p.small is not None) / (1 << 20)
+        logger.info("prepacked %d linear weights for oneDNN in %.2fs; small-batch GEMV weights: %s (%.0f MiB)",
+                    len(packed), time.perf_counter() - t0,
+                    ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none", small_mib)
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory_gb is not None:

@@ -11,7 +11,6 @@
  *   rope_neox    q and k heads of a packed qkv row rotated in place by their position
  *                (HF "rotate_half" layout: dims i and i + D/2 form a pair)
  *   silu_mul     out[t, i] = silu(gu[t, i]) * gu[t, I + i] for a merged [gate | up] row of 2I
- *   gemv_f32     y = x W^T (+ b) for 1..4 rows of x: a decode-sized linear, bound by reading W
  */
 #include <math.h>
 #include <stdint.h>
@@ -128,27 +127,6 @@ int meshlm_silu_mul(const void *gu, void *out, int dtype, int64_t T, int I, int6
 #pragma omp simd
             for (int i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             store(out, dtype, t * o_stride, I, g);
-        }
-    }
-    return 0;
-}
-
-/* y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m (decode at batch 1..4), float32.
- * At these sizes the product is bound by streaming w once from memory: threads split the rows
- * of w, each streams its share sequentially (the hardware prefetcher follows), and x stays in
- * L1. x rows are x_stride apart, y is [M, N] contiguous. */
-int meshlm_gemv_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
-                    int M, int64_t N, int K, int num_threads) {
-    if (M <= 0 || M > 4 || K <= 0) return 1; /* GEMV_MAX_ROWS in cpu_ops.py */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *wr = w + n * K;
-        for (int m = 0; m < M; m++) {
-            const float *xr = x + m * x_stride;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int k = 0; k < K; k++) acc += wr[k] * xr[k];
-            y[(int64_t)m * N + n] = bias != NULL ? acc + bias[n] : acc;
         }
     }
     return 0;

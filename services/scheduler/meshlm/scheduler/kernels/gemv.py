@@ -1,0 +1,161 @@
+"""Small-batch linears (1..GEMV_MAX_ROWS rows) on CPU: csrc/gemv.c through ctypes.
+
+At decode sizes a linear is bound by reading its weight once, so the fewer bytes per weight the
+faster. `GemvWeight.build` picks the smallest exact format for a float32 weight:
+
+  * q4_1 (0.75 byte/weight) or q8_0 (1.125) when every 32-weight block along K is exactly a
+    llama.cpp Q4_1 / Q8_0 block: true of a GGUF checkpoint dequantized at load time (the default
+    SmolLM2 ships as Q4_1 with a Q8_0 embedding), found back from the float32 values and
+    verified bit for bit, so the product is the float32 model's up to summation order;
+  * f32 (4 bytes/weight) otherwise: a dense copy streamed by a plain GEMV.
+
+Larger batches are compute-bound and go through oneDNN (layers/cpu_gemm.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
+GEMV_MAX_ROWS = 4  # up to this many rows a linear streams its weight (MAX_ROWS in csrc/gemv.c)
+BLOCK = 32  # weights per quantized block along K
+FORMATS = ("q4_1", "q8_0", "f32")
+
+
+@dataclass(frozen=True)
+class GemvWeight:
+    """A [N, K] float32 weight in one small-batch format.
+
+    q4_1: scales/mins float32 [N * K/32], quants uint8 [N * K/32 * 16] (two 4-bit values a byte);
+    q8_0: scales [N * K/32], quants int8 [N * K/32 * 32]; f32: quants is the dense [N, K] weight.
+    Every dequantized value equals the source weight exactly.
+    """
+
+    format: str
+    out_features: int
+    in_features: int
+    quants: torch.Tensor
+    scales: Optional[torch.Tensor] = None
+    mins: Optional[torch.Tensor] = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.mins) if t is not None)
+
+
+class GemvOps:
+    """ctypes bindings; every method checks shapes before handing pointers to C."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._f32 = lib.meshlm_gemv_f32
+        self._f32.argtypes = [p, i64, p, p, p, c_int, i64, c_int, c_int]
+        self._q4 = lib.meshlm_gemv_q4_1
+        self._q4.argtypes = [p, i64, p, p, p, p, p, c_int, i64, c_int, c_int]
+        self._q8 = lib.meshlm_gemv_q8_0
+        self._q8.argtypes = [p, i64, p, p, p, p, c_int, i64, c_int, c_int]
+        self._q4_recover = lib.meshlm_q4_1_recover
+        self._q4_recover.argtypes = [p, i64, c_int, p, p, p, c_int]
+        self._q8_recover = lib.meshlm_q8_0_recover
+        self._q8_recover.argtypes = [p, i64, c_int, p, p, c_int]
+        for fn in (self._f32, self._q4, self._q8, self._q4_recover, self._q8_recover):
+            fn.restype = c_int
+
+    def build(self, weight: torch.Tensor, formats: tuple[str, ...] = FORMATS) -> GemvWeight:
+        """The first of `formats` that holds the float32 [N, K] `weight` exactly ("f32" always
+        does: a dense copy)."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError("GemvWeight needs a 2-D float32 CPU weight")
+        w = weight.detach().contiguous()
+        n, k = w.shape
+        quantizable = k % BLOCK == 0 and bool(torch.isfinite(w).all())
+        for fmt in formats:
+            if fmt == "f32":
+                return GemvWeight("f32", n, k, w)
+            if not quantizable:
+                continue
+            got = self._recover(w, fmt)
+            if got is not None:
+                return got
+        raise ValueError(f"no format among {formats} holds this weight")
+
+    def _recover(self, w: torch.Tensor, fmt: str) -> Optional[GemvWeight]:
+        n, k = w.shape
+        blocks = n * (k // BLOCK)
+        scales = torch.empty(blocks, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        if fmt == "q4_1":
+            mins = torch.empty(blocks, dtype=torch.float32)
+            quants = torch.empty(blocks * BLOCK // 2, dtype=torch.uint8)
+            rc = self._q4_recover(w.data_ptr(), n, k, scales.data_ptr(), mins.data_ptr(), quants.data_ptr(), threads)
+            return GemvWeight(fmt, n, k, quants, scales, mins) if rc == 0 else None
+        if fmt == "q8_0":
+            quants = torch.empty(blocks * BLOCK, dtype=torch.int8)
+            rc = self._q8_recover(w.data_ptr(), n, k, scales.data_ptr(), quants.data_ptr(), threads)
+            return GemvWeight(fmt, n, k, quants, scales) if rc == 0 else None
+        raise ValueError(f"unknown GEMV format {fmt!r}; known: {FORMATS}")
+
+    def gemv(self, x: torch.Tensor, weight: GemvWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [M <= GEMV_MAX_ROWS, K] float32 (rows contiguous) @ weight^T (+ bias [N])."""
+        m, k = x.shape
+        n = weight.out_features
+        if x.dtype != torch.float32 or k != weight.in_features or x.stride(1) != 1 or not 1 <= m <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv needs float32 x [1..{GEMV_MAX_ROWS}, {weight.in_features}] with contiguous rows")
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (n,)):
+            raise ValueError(f"gemv bias must be a contiguous float32 [{n}]")
+        out = torch.empty((m, n), dtype=torch.float32)
+        b = 0 if bias is None else bias.data_ptr()
+        threads = torch.get_num_threads()
+        if weight.format == "f32":
+            rc = self._f32(x.data_ptr(), x.stride(0), weight.quants.data_ptr(), b, out.data_ptr(), m, n, k, threads)
+        elif weight.format == "q4_1":
+            assert weight.scales is not None and weight.mins is not None
+            rc = self._q4(x.data_ptr(), x.stride(0), weight.scales.data_ptr(), weight.mins.data_ptr(),
+                          weight.quants.data_ptr(), b, out.data_ptr(), m, n, k, threads)
+        else:
+            assert weight.scales is not None
+            rc = self._q8(x.data_ptr(), x.stride(0), weight.scales.data_ptr(), weight.quants.data_ptr(), b,
+                          out.data_ptr(), m, n, k, threads)
+        if rc:
+            raise ValueError(f"gemv: unsupported shape {tuple(x.shape)} x {weight.format} [{n}, {k}]")
+        return out
+
+    @staticmethod
+    def dequantize(weight: GemvWeight) -> torch.Tensor:
+        """The float32 [N, K] weight a GemvWeight holds (for tests and checks)."""
+        n, k = weight.out_features, weight.in_features
+        if weight.format == "f32":
+            return weight.quants
+        assert weight.scales is not None
+        d = weight.scales.view(-1, 1)
+        if weight.format == "q8_0":
+            return (weight.quants.view(-1, BLOCK).float() * d).view(n, k)
+        assert weight.mins is not None
+        packed = weight.quants.view(-1, BLOCK // 2)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=1).float()  # byte j holds q_j, q_{j+16}
+        return torch.addcmul(weight.mins.view(-1, 1), d, q).view(n, k)
+
+
+@functools.lru_cache(maxsize=1)
+def load_gemv_ops() -> GemvOps:
+    """The GEMV kernels for this machine, built on first use; raises KernelUnavailable."""
+    return GemvOps(load_library(SOURCE))
+
+
+def gemv_ops_or_none() -> Optional[GemvOps]:
+    """load_gemv_ops(), or None (with a warning) where the kernels cannot be built."""
+    try:
+        return load_gemv_ops()
+    except KernelUnavailable as e:
+        log.warning("small-batch GEMV kernels unavailable (%s); linears use oneDNN / F.linear", e)
+        return None

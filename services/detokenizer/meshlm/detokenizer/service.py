@@ -2,8 +2,9 @@
 
 The servicer only moves messages between gRPC and `DetokenizerManager`; every stream opens with
 a Hello, and a peer of another protocol version is refused (FAILED_PRECONDITION). Drain
-(SIGTERM): health NOT_SERVING, Push streams end (their schedulers move to another detokenizer and re-send), every
-Subscribe stream ends after what is queued for it has been sent, then the server stops; exit 0.
+(SIGTERM): health NOT_SERVING, Push streams end (their schedulers move to another detokenizer
+and re-send), every Subscribe stream ends after what is queued for it has been sent, then the
+server stops; exit 0.
 """
 
 from __future__ import annotations

@@ -439,6 +439,9 @@ def test_abort_finish_reasons_map_to_status_codes(tok):
                 fake.reject = (status, f"reason {status}")
                 e = await r.error(r.generate(prompts=[text_prompt("Hi")], stream=True))
                 assert e.code() == code and f"reason {status}" in e.details()
+            fake.reject = (503, "The request queue is full.")  # an Embed the loop rejects fails too
+            e = await r.error(r.stub.Embed(tokenizer_pb2.EmbedRequest(prompts=[text_prompt("Hi")]), timeout=5))
+            assert e.code() == CODE.RESOURCE_EXHAUSTED and "queue is full" in e.details()
             fake.reject = None
             fake.direct_error = (503, "no detokenizer reachable")  # RequestError on Connect
             e = await r.error(r.generate(prompts=[text_prompt("Hi")]))

@@ -132,6 +132,17 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 )
         self._push_q.put_nowait(detokenizer_pb2.DetokenizerInput(tokens=out))
 
+    def _reject_embedding(self, e) -> None:
+        assert self.reject is not None
+        status, message = self.reject
+        out = scheduler_pb2.BatchTokenIDOut(scheduler_id=self.scheduler_id)
+        d = out.deltas.add(rid=e.rid, origin=e.origin, prompt_tokens=len(e.input_ids), trace=e.trace)
+        d.seed.prompt_tail_ids.extend(e.input_ids[-5:])
+        d.finish_reason.CopyFrom(
+            common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_ABORT, message=message, status_code=status)
+        )
+        self._push_q.put_nowait(detokenizer_pb2.DetokenizerInput(tokens=out))
+
     async def _run_request(self, req, conn_out: asyncio.Queue) -> None:
         if self.direct_error is not None:
             status, message = self.direct_error
@@ -232,6 +243,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 elif kind == "embed":
                     self.seen.embed.append(msg.embed)
                     e = msg.embed
+                    if self.reject is not None:  # as the real loop: a rejection is a TokenDelta
+                        self._reject_embedding(e)
+                        continue
                     result = scheduler_pb2.EmbeddingOut(
                         rid=e.rid,
                         origin=e.origin,

@@ -238,7 +238,8 @@ async def _merged(streams: list[GenerateStream], offsets: list[int]) -> AsyncIte
         finally:
             streams[0].cancel()
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # A response, the error that ended a stream, or None: a stream ended cleanly.
+    queue: asyncio.Queue[Union[tokenizer_pb2.GenerateResponse, Exception, None]] = asyncio.Queue()
 
     async def pump(stream: GenerateStream, offset: int) -> None:
         try:

@@ -20,6 +20,8 @@ SCHEDULING_CONFIGS = {
     "page16": {"page_size": 16},
     "page16-chunk32": {"page_size": 16, "chunked_prefill_size": 32},
     "lpm": {"schedule_policy": "lpm"},
+    "mixed-chunk16": {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
+    "mixed-page16-chunk32": {"enable_mixed_chunk": True, "page_size": 16, "chunked_prefill_size": 32},
 }
 
 RAW_PROMPTS = [

@@ -35,6 +35,7 @@ class SchedulerConfig:
     max_running_requests: Optional[int] = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 4096  # -1 disables chunking
+    enable_mixed_chunk: bool = False  # decode tokens of running requests ride in prefill batches
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
@@ -109,6 +110,10 @@ class SchedulerConfig:
             "max_running_requests": "most requests decoding at once",
             "max_prefill_tokens": "token budget of one prefill batch",
             "chunked_prefill_size": "tokens per prefill chunk (-1 disables chunking)",
+            "enable_mixed_chunk": (
+                "run the running requests' decode step inside each prefill batch (SGLang's mixed "
+                "chunk): decoding never pauses while prompts prefill"
+            ),
             "schedule_policy": f"waiting-queue order: {' | '.join(POLICIES)}",
             "schedule_conservativeness": "scales the reserve kept for future decode tokens",
             "disable_radix_cache": "do not reuse KV of shared prefixes",
@@ -121,7 +126,8 @@ class SchedulerConfig:
             "fused_ops": (
                 "CPU model kernels: auto (linear weights prepacked for oneDNN; when a C compiler "
                 "can build them, fused C kernels for RMSNorm + residual, RoPE and SiLU*mul and, in "
-                "float32, a GEMV for batches of 1-4 rows over a kept dense weight copy) | torch "
+                "float32, a GEMV for batches of 1-4 rows over a second copy of each weight: a GGUF "
+                "model's own Q4_1 / Q8_0 blocks where they hold it exactly, else dense) | torch "
                 "(F.linear and eager torch ops)"
             ),
             "random_seed": "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)",

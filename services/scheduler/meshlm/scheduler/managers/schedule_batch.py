@@ -50,6 +50,9 @@ class ScheduleBatch:
         self.sampling_reqs: list[Req] = []
         # The forward prepared by prepare_for_extend / prepare_for_decode, run next.
         self.pending_fb: Optional[ForwardBatch] = None
+        # Requests of a MIXED batch that were decoding (mix_with_running): they take one
+        # decode step here and are not prefills.
+        self.decoding_reqs: list[Req] = []
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -169,6 +172,42 @@ class ScheduleBatch:
             extend_seq_lens_cpu=[1] * len(seq_lens),
             req_to_token_pool=self.req_to_token_pool,
         )
+
+    # ---- MIXED (prefill + decode in one forward) -------------------------------------------
+    def mix_with_running(self, extend_fb: ForwardBatch, running: "ScheduleBatch") -> ForwardBatch:
+        """Fold the running batch's next decode step into this prefill batch (SGLang's mixed
+        chunk): each running request becomes an extend segment of one token (its newest
+        output, at position seqlen-1, over its seqlen-1 cached tokens), after this batch's
+        segments. The caller checked `running.check_decode_mem()`.
+
+        Afterwards this batch holds [prefill reqs..., running reqs...]; it samples for its
+        non-chunked prefill reqs and then every running req (the logits rows in that order),
+        and `running` is left empty (the requests come back when this batch is merged)."""
+        dec = running.prepare_for_decode()
+        assert self.sampling_info is not None and running.sampling_info is not None
+        n = len(running.reqs)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=extend_fb.batch_size + n,
+            input_ids=torch.cat([extend_fb.input_ids, dec.input_ids]),
+            positions=torch.cat([extend_fb.positions, dec.positions]),
+            seq_lens=torch.cat([extend_fb.seq_lens, dec.seq_lens]),
+            req_pool_indices=torch.cat([extend_fb.req_pool_indices, dec.req_pool_indices]),
+            out_cache_loc=torch.cat([extend_fb.out_cache_loc, dec.out_cache_loc]),
+            seq_lens_cpu=extend_fb.seq_lens_cpu + dec.seq_lens_cpu,
+            extend_prefix_lens_cpu=extend_fb.extend_prefix_lens_cpu + dec.extend_prefix_lens_cpu,
+            extend_seq_lens_cpu=extend_fb.extend_seq_lens_cpu + [1] * n,
+            req_to_token_pool=self.req_to_token_pool,
+            return_logprob=extend_fb.return_logprob,
+            # A decoding request's input logprobs are done: its one row predicts no input token.
+            extend_logprob_start_lens_cpu=extend_fb.extend_logprob_start_lens_cpu + [1] * n,
+        )
+        self.sampling_info.merge_batch(running.sampling_info)
+        self.decoding_reqs = list(running.reqs)
+        self.reqs = self.reqs + running.reqs
+        self.sampling_reqs = self.sampling_reqs + running.reqs
+        running.reqs, running.sampling_info = [], None
+        return fb
 
     # ---- composition ----------------------------------------------------------------------
     def filter_batch(self, keep: list[int]) -> None:

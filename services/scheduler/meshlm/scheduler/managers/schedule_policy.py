@@ -6,6 +6,7 @@ PrefillAdder budgets (SGLang's):
                         - what this round already admitted (extend + min(max_new, CLIP))
     rem_input_tokens  = --max-prefill-tokens, minus this round's extend tokens
     rem_chunk_tokens  = --chunked-prefill-size, minus this round's extend tokens (None: no chunking)
+(with --enable-mixed-chunk both also minus the running requests' decode tokens riding along)
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: Optional[int],
         page_size: int,
+        mixed_with_decode_tokens: int = 0,
     ) -> None:
+        """mixed_with_decode_tokens: decode tokens that will ride in this batch (mixed chunk);
+        they count against the input and chunk budgets."""
         self.tree_cache = tree_cache
         self.allocator = allocator
         self.page_size = page_size
-        self.rem_input_tokens = max_prefill_tokens
-        self.rem_chunk_tokens = chunked_prefill_size
+        self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = None if chunked_prefill_size is None else chunked_prefill_size - mixed_with_decode_tokens
         # Reserved for decode tokens of running requests and of requests admitted this round.
         self.total_offset = sum(int(remaining_new_tokens(r) * new_token_ratio) for r in running_reqs)
         self.can_run_list: list[Req] = []

@@ -155,6 +155,9 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputMixin, DisaggregationMixin):
             forward_s = self.run_batch(batch)
             if batch.forward_mode is ForwardMode.DECODE:
                 self.stats.record_decode(len(batch.reqs), forward_s, time.perf_counter() - t0)
+            elif batch.decoding_reqs:
+                self.stats.mixed_decode_tokens += len(batch.decoding_reqs)
+                self.stats.generation_tokens += len(batch.decoding_reqs)
         else:
             self.on_idle()
         self.last_batch = batch
@@ -209,9 +212,12 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputMixin, DisaggregationMixin):
             self._match_prefix(req)
         self.policy.calc_priority(self.waiting_queue)
         chunk = None if self.config.chunked_prefill_size == -1 else self.config.chunked_prefill_size
+        # Mixed chunk: the running requests' decode tokens share this batch's token budgets.
+        mixing = self.config.enable_mixed_chunk and not self.running_batch.is_empty()
         adder = PrefillAdder(
             self.tree_cache, self.allocator, self.running_batch.reqs, self.new_token_ratio,
             self.config.max_prefill_tokens, chunk, self.config.page_size,
+            mixed_with_decode_tokens=running_bs if mixing else 0,
         )
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
@@ -250,6 +256,10 @@ class Scheduler(SchedulerInputMixin, SchedulerOutputMixin, DisaggregationMixin):
                 self.stats.record_prefill(len(req.origin_input_ids), req.cache_protected_len)
         batch = self._new_batch(adder.can_run_list)
         batch.pending_fb = batch.prepare_for_extend(embed=bool(embed))
+        if mixing and not embed:
+            self.running_batch.filter_batch([i for i, r in enumerate(self.running_batch.reqs) if not r.finished()])
+            if not self.running_batch.is_empty() and self.running_batch.check_decode_mem():
+                batch.pending_fb = batch.mix_with_running(batch.pending_fb, self.running_batch)
         return batch
 
     @staticmethod
@@ -361,6 +371,8 @@ class SchedulerStats:
         self.decode_steps = 0
         self.decode_forward_s = 0.0
         self.decode_step_s = 0.0
+        # Decode tokens computed inside prefill batches (--enable-mixed-chunk).
+        self.mixed_decode_tokens = 0
         self.generation_tokens = 0
 
     def record_prefill(self, prompt: int, cached: int) -> None:

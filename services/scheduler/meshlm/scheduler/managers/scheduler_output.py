@@ -44,6 +44,7 @@ class SchedulerOutputMixin:
     ) -> None:
         if fb.return_logprob:
             self._add_input_logprobs(batch, fb, result)
+        decoding = {id(r) for r in batch.decoding_reqs} if batch.decoding_reqs else None
         j = 0
         for req in batch.reqs:
             if req.is_chunked:  # a non-final chunk: cache what was computed, sample nothing
@@ -66,6 +67,8 @@ class SchedulerOutputMixin:
             self.check_finished(req)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
+            elif decoding is not None and id(req) in decoding:
+                continue  # a decode step riding in a mixed batch: its prompt is cached already
             elif self.should_transfer(req):
                 self.transfer_prefilled(req)
             else:

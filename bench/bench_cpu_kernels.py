@@ -7,7 +7,10 @@ same process, interleaved runs, on the default SmolLM2-135M.
     python bench/bench_cpu_kernels.py --threads 1 --batches 1,64 --context 1024
 
 Prints, per shape, the median forward time of each and the ratio auto / torch (lower is
-better), the largest logit difference between the two and whether their argmax tokens agree.
+better), the largest logit difference between the two and whether their argmax tokens agree;
+for decode shapes also the time of the auto runner's linear layers alone (every linear of the
+model and the LM head once, on rows of that batch size) and forward / linears, the share of a
+decode step that is not GEMM.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import argparse
 import statistics
 import time
 
+from typing import Any
+
 import torch
 
 from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.model_config import ModelConfig
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from meshlm.scheduler.model_executor.model_runner import ModelRunner
@@ -41,6 +47,26 @@ def prefill_batch(runner: ModelRunner, n: int) -> ForwardBatch:
     ids = torch.randint(100, 4000, (n,), generator=torch.Generator().manual_seed(n))
     return ForwardBatch(ForwardMode.EXTEND, 1, ids, torch.arange(n), torch.tensor([n]), torch.tensor([0]),
                         table[0, :n].clone(), seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n])
+
+
+def linears_ms(runner: ModelRunner, rows: int, repeats: int) -> float:
+    """Median time of one pass over every linear layer (and the LM head) at `rows` rows."""
+    mods: list[tuple[Any, int]] = []
+    for m in runner.model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            mods.append((m, m.packed.in_features if m.packed is not None else m.weight.shape[1]))
+    head = runner.model.logits_processor.packed_head
+    if head is not None:
+        mods.append((head, head.in_features))
+    xs = {k: torch.randn(rows, k) for k in {k for _, k in mods}}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for m, k in mods:
+                m(xs[k])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
 
 
 def main() -> None:
@@ -73,7 +99,8 @@ def main() -> None:
     if args.prefill:
         cases.append((f"prefill {args.prefill} tokens", lambda r: prefill_batch(r, args.prefill)))
     print(f"threads={torch.get_num_threads()}, float32, {path.name}")
-    print(f"{'shape':28s} {'torch ms':>9s} {'auto ms':>9s} {'auto/torch':>10s} {'max|dlogit|':>11s} {'argmax':>7s}")
+    print(f"{'shape':28s} {'torch ms':>9s} {'auto ms':>9s} {'auto/torch':>10s} {'max|dlogit|':>11s} {'argmax':>7s}"
+          f" {'linears ms':>10s} {'auto/linears':>12s}")
     for name, make in cases:
         logits = {m: r.forward(make(r)).next_token_logits for m, r in runners.items()}
         times: dict[str, list[float]] = {m: [] for m in runners}
@@ -86,8 +113,12 @@ def main() -> None:
         med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
         diff = float((logits["torch"] - logits["auto"]).abs().max())
         agree = float((logits["torch"].argmax(-1) == logits["auto"].argmax(-1)).float().mean())
+        lin = ""
+        if name.startswith("decode"):
+            ms = linears_ms(runners["auto"], int(name.split("b=")[1].split()[0]), args.repeats)
+            lin = f" {ms:10.1f} {med['auto'] / ms:12.2f}"
         print(f"{name:28s} {med['torch']:9.1f} {med['auto']:9.1f} {med['auto'] / med['torch']:10.2f} "
-              f"{diff:11.2e} {agree:7.0%}", flush=True)
+              f"{diff:11.2e} {agree:7.0%}{lin}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshlm.scheduler.engine import Engine, RequestError
-from meshlm.scheduler.managers.io_struct import PrefilledReq, TokenizedGenerateReqInput
+from meshlm.scheduler.managers.io_struct import PrefilledReq, TokenDelta, TokenizedGenerateReqInput
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
 from .conftest import GOLDEN_NEW_TOKENS, assert_pools_whole
@@ -118,8 +118,9 @@ def test_bad_handover_is_rejected_naming_the_field(pair, golden) -> None:
                 req=TokenizedGenerateReqInput(rid=rid, input_ids=g.input_ids, sampling_params=SamplingParams(max_new_tokens=4)),
                 output_ids=[g.output_ids[0]], kv=wrong,
             ))
-            item = await asyncio.wait_for(st.queue.get(), 30)
-            decode._token_delta(rid, st, item["msg"], item["i"])
+            delta = await asyncio.wait_for(st.queue.get(), 30)
+            assert isinstance(delta, TokenDelta)
+            decode._output(rid, st, delta)
         finally:
             decode._unregister(rid)
 

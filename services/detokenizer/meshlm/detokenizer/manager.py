@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence, TypeAlias
 
 from opentelemetry.trace import Span, Status, StatusCode
 
@@ -32,7 +32,7 @@ from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 logger = logging.getLogger(__name__)
 
-Output = detokenizer_pb2.DetokenizerOutput
+Output: TypeAlias = detokenizer_pb2.DetokenizerOutput
 
 
 @dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""Small-batch linears (1..GEMV_MAX_ROWS rows) on CPU: csrc/gemv.c through ctypes.
+"""Small-batch linears (a few rows: decode batches) on CPU: csrc/gemv.c through ctypes.
 
 At decode sizes a linear is bound by reading its weight once, so the fewer bytes per weight the
 faster. `GemvWeight.build` picks the smallest exact format for a float32 weight:
@@ -28,7 +28,11 @@ from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gemv.c"
-GEMV_MAX_ROWS = 4  # up to this many rows a linear streams its weight (MAX_ROWS in csrc/gemv.c)
+GEMV_MAX_ROWS = 16  # the kernels' limit (MAX_ROWS in csrc/gemv.c)
+# Up to this many rows streaming the weight beats oneDNN's blocked GEMM (AVX2 EPYC, measured with
+# bench/bench_gemv.py): a dense float32 weight is as many bytes as oneDNN reads, so only the GEMV's
+# better bandwidth counts; a quantized one is 4-5x fewer bytes and wins to larger batches.
+MAX_ROWS = {"f32": 4, "q8_0": 8, "q4_1": 8}
 BLOCK = 32  # weights per quantized block along K
 FORMATS = ("q4_1", "q8_0", "f32")
 
@@ -48,6 +52,11 @@ class GemvWeight:
     quants: torch.Tensor
     scales: Optional[torch.Tensor] = None
     mins: Optional[torch.Tensor] = None
+
+    @property
+    def max_rows(self) -> int:
+        """Batches of up to this many rows should take the GEMV (larger ones oneDNN)."""
+        return MAX_ROWS[self.format]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.mins) if t is not None)

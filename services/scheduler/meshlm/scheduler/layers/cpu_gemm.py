@@ -5,7 +5,7 @@ at decode sizes (tens of rows against a few-MB weight) that packing is a large s
 work. oneDNN's matmul with the weight reordered at start-up into its blocked layout for this CPU
 (the layout inductor's CPU weight prepacking uses) skips it. The packed weight is an opaque
 oneDNN tensor; results equal F.linear up to summation order. In float32, with the small-batch
-GEMV kernels, decode batches of 1..GEMV_MAX_ROWS rows stream the weight in the smallest format
+GEMV kernels, decode batches of a few rows stream the weight in the smallest format
 that holds it exactly instead (kernels/gemv.py: the GGUF's Q4_1 / Q8_0 blocks, else a dense copy).
 """
 
@@ -15,8 +15,6 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 import torch
-
-from meshlm.scheduler.kernels.gemv import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemv import GemvOps, GemvWeight
@@ -52,7 +50,7 @@ def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor],
 class PackedLinear:
     """y = x W^T (+ b) for x [T, in] with W [out, in] held in oneDNN's blocked layout.
 
-    With `gemv_ops` (float32), batches of at most GEMV_MAX_ROWS rows stream W through our GEMV
+    With `gemv_ops` (float32), batches of at most `small.max_rows` rows stream W through our GEMV
     kernels instead: there the product is bound by reading W once, and the library GEMVs reach
     about half of the memory bandwidth two threads get (measured on an AVX2 EPYC: 9-13 vs 17-18
     GB/s). W is then held a second time, in the smallest exact format (`small`): a dequantized
@@ -75,7 +73,7 @@ class PackedLinear:
         if x.dim() != 2:
             lead = x.shape[:-1]
             return self(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
-        if self.gemv_ops is not None and self.small is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS \
+        if self.gemv_ops is not None and self.small is not None and 0 < x.shape[0] <= self.small.max_rows \
                 and x.dtype == torch.float32:
             return self.gemv_ops.gemv(x if x.stride(1) == 1 else x.contiguous(), self.small, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
@@ -86,7 +84,8 @@ class PackedLinear:
         for sampling, is left untouched."""
         gen = torch.Generator().manual_seed(0)
         tol = 1e-3 if self.dtype == torch.float32 else 5e-2
-        for rows in (GEMV_MAX_ROWS - 1, 2 * GEMV_MAX_ROWS + 1):  # both paths when gemv is on
+        small = self.small.max_rows if self.small is not None else 4
+        for rows in (small - 1, 2 * small + 1):  # both paths when gemv is on
             x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
             want = torch.nn.functional.linear(x, weight, bias).float()
             got = self(x).float()

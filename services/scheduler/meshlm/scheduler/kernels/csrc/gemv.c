@@ -1,4 +1,4 @@
-/* Small-batch linears for CPUs: y = x W^T (+ b) for 1..4 rows of x (decode-sized batches),
+/* Small-batch linears for CPUs: y = x W^T (+ b) for 1..MAX_ROWS rows of x (decode-sized batches),
  * where the product is bound by reading W once. W is held in one of three formats:
  *
  *   f32    dense [N, K] float32.
@@ -25,7 +25,7 @@
 #endif
 
 #define QK 32        /* weights per block */
-#define MAX_ROWS 4   /* GEMV_MAX_ROWS in kernels/gemv.py */
+#define MAX_ROWS 16  /* GEMV_MAX_ROWS in kernels/gemv.py */
 
 /* Dense float32: threads split the rows of w, each streams its share sequentially (the hardware
  * prefetcher follows), and x stays in L1. x rows are x_stride apart, y is [M, N] contiguous. */

@@ -10,7 +10,8 @@ requests rejected (503), running requests finish within --grace-period-s, the re
 every request (500) and exits 1.
 
 With --disaggregation-mode prefill the service also keeps Connect streams to the decode
-schedulers of --decode-addrs (DecodeHandoffClient) and hands each prefilled request to one.
+schedulers of --decode-addrs (PrefillHandover) and hands each prefilled request to one.
+The servicer's parts are built and wired here, by constructor (`_build_servicer`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ from meshlm.common.metrics import Metrics
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.runtime import SchedulerRuntime
 from meshlm.scheduler.service.config import SchedulerServiceConfig, parse_args
+from meshlm.scheduler.service.connections import ConnectionRegistry
+from meshlm.scheduler.service.control import ControlCalls
 from meshlm.scheduler.service.detok_client import DetokenizerPushClient
-from meshlm.scheduler.service.handoff import DecodeHandoffClient
-from meshlm.scheduler.service.observability import SchedulerMetrics
+from meshlm.scheduler.service.endings import RequestEnds
+from meshlm.scheduler.service.lifecycle import ServiceState
+from meshlm.scheduler.service.load import LoadReporter
+from meshlm.scheduler.service.observability import RequestObserver, SchedulerMetrics
+from meshlm.scheduler.service.pd_handover import PrefillHandover
 from meshlm.scheduler.service.servicer import SchedulerServicer
 from meshlm.scheduler.service.tracker import RequestTracker
 from meshlm.v1 import common_pb2, scheduler_pb2_grpc
@@ -63,79 +69,86 @@ class SchedulerServer:
         self.engine_config = engine
         self.exit_code = 0
         self.port = 0
+        self.scheduler_id = ""
         self.metrics = Metrics()
         self.tracker = RequestTracker()
         self.runtime: Optional[SchedulerRuntime] = None
         self.servicer: Optional[SchedulerServicer] = None
         self.detok: Optional[DetokenizerPushClient] = None
-        self.handoff: Optional[DecodeHandoffClient] = None
+        self.handover: Optional[PrefillHandover] = None
         self._ready_task: Optional[asyncio.Task] = None
         self.grpc: Optional[GrpcServer] = None
         self._closed = False
 
-    @property
-    def scheduler_id(self) -> str:
-        assert self.servicer is not None
-        return self.servicer.scheduler_id
-
     async def start(self) -> int:
         """Load the model, start the loop, the Push client and gRPC; returns the bound port."""
         svc = self.svc
-        sched_metrics = SchedulerMetrics(self.metrics)
         # The model loads in a worker thread so the event loop stays responsive.
-        self.runtime = await asyncio.to_thread(
+        runtime = await asyncio.to_thread(
             SchedulerRuntime, self.engine_config, self._on_output, self._on_control
         )
+        self.runtime = runtime
         self.grpc = GrpcServer(
             [SERVICE_NAME], svc.host, svc.port, tls=svc.tls, health_port=svc.health_port
         )
-        self.servicer = SchedulerServicer(
-            self.runtime.port.put,
-            scheduler_id=svc.scheduler_id or "",
-            model_info=model_info(self.runtime),
-            tracker=self.tracker,
-            metrics=sched_metrics,
-            load_interval_s=svc.load_report_interval_s,
-        )
-        self.servicer.on_fatal = self._fatal
-        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, self.grpc.server)
         self.port = self.grpc.bind()
-        self.servicer.scheduler_id = svc.resolved_scheduler_id(self.port)
-        self.detok = DetokenizerPushClient(
-            self.servicer.scheduler_id, svc.detokenizer_addrs, self.tracker, self.servicer.fail_unavailable,
-            fail_after_s=svc.detokenizer_timeout_s, tls=svc.tls,
-        )
-        self.servicer.detok = self.detok
-        if self.engine_config.disaggregation_mode == "prefill":
-            self.handoff = DecodeHandoffClient(
-                self.servicer.scheduler_id, svc.decode_addrs, on_error=self.servicer.on_handover_error,
-                on_lost=self.servicer.on_handover_lost, on_done=self.servicer.on_handover_done, tls=svc.tls,
-            )
-            self.servicer.handoff = self.handoff
-            self.handoff.start()
+        self.scheduler_id = svc.resolved_scheduler_id(self.port)
+        self.servicer = self._build_servicer(runtime)
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, self.grpc.server)
+        if self.handover is not None:
+            self.handover.start()
         self.servicer.start()
+        assert self.detok is not None
         self.detok.start()
-        self.runtime.start(on_crash=self.servicer.on_crash)
+        runtime.start(on_crash=self.servicer.on_crash)
         await self.grpc.start()
-        if self.handoff is not None and not self.handoff.any_up():
+        if self.handover is not None and not self.handover.any_up():
             # A prefill scheduler is of no use before a decode scheduler takes its requests.
             await self.grpc.set_serving(False)
             self._ready_task = asyncio.create_task(self._serve_when_decode_up(), name="decode-ready")
         self.metrics.serve(svc.metrics_port)
         logger.info(
             "scheduler %s serving on port %d (model %s, KV %d tokens, role %s, detokenizers %s%s)",
-            self.scheduler_id, self.port, self.runtime.config.model_path,
-            self.runtime.scheduler.max_total_num_tokens, self.engine_config.disaggregation_mode,
+            self.scheduler_id, self.port, runtime.config.model_path,
+            runtime.scheduler.max_total_num_tokens, self.engine_config.disaggregation_mode,
             ",".join(svc.detokenizer_addrs) or "-",
-            f", decode schedulers {','.join(svc.decode_addrs)}" if self.handoff else "",
+            f", decode schedulers {','.join(svc.decode_addrs)}" if self.handover else "",
         )
         return self.port
 
+    def _build_servicer(self, runtime: SchedulerRuntime) -> SchedulerServicer:
+        """Wire the servicer's parts (the scheduler id is known: the port is bound)."""
+        svc, sid, put = self.svc, self.scheduler_id, runtime.port.put
+        state, connections = ServiceState(), ConnectionRegistry()
+        metrics = SchedulerMetrics(self.metrics)
+        if self.engine_config.disaggregation_mode == "prefill":
+            # The prefill side's own failures have nothing left to abort downstream.
+            local_ends = RequestEnds(put, self.tracker, connections)
+            self.handover = PrefillHandover(
+                sid, svc.decode_addrs, tracker=self.tracker, ends=local_ends, tls=svc.tls
+            )
+        ends = RequestEnds(put, self.tracker, connections, downstream=self.handover)
+        unavailable = f"scheduler {sid}: no detokenizer reachable"
+        self.detok = DetokenizerPushClient(
+            sid, svc.detokenizer_addrs, self.tracker, lambda rids: ends.fail_rids(rids, unavailable, 503),
+            fail_after_s=svc.detokenizer_timeout_s, tls=svc.tls,
+        )
+        calls = ControlCalls(put, connections, sid)
+        load = LoadReporter(
+            sid, calls=calls, connections=connections, tracker=self.tracker, state=state,
+            metrics=metrics, interval_s=svc.load_report_interval_s,
+        )
+        return SchedulerServicer(
+            put, scheduler_id=sid, model_info=model_info(runtime), state=state, tracker=self.tracker,
+            connections=connections, calls=calls, load=load, ends=ends, detok=self.detok,
+            observer=RequestObserver(metrics, sid), handover=self.handover, on_fatal=self._fatal,
+        )
+
     async def _serve_when_decode_up(self) -> None:
-        assert self.handoff is not None and self.grpc is not None
-        while not await self.handoff.wait_up(30.0):
+        assert self.handover is not None and self.grpc is not None
+        while not await self.handover.wait_up(30.0):
             logger.warning("no decode scheduler of %s is reachable yet", ",".join(self.svc.decode_addrs))
-        if not self._closed and not (self.servicer and self.servicer.draining):
+        if not self._closed and not (self.servicer and self.servicer.state.draining):
             await self.grpc.set_serving(True)
 
     # loop-thread callbacks, bound before the servicer exists
@@ -187,8 +200,8 @@ class SchedulerServer:
             await self.servicer.stop()
         if self.detok is not None:
             await self.detok.close()
-        if self.handoff is not None:
-            await self.handoff.close()
+        if self.handover is not None:
+            await self.handover.close()
         if self.grpc is not None:
             await self.grpc.stop(0)
         if self.runtime is not None:

@@ -20,11 +20,11 @@ from tests.golden import (  # noqa: F401 (re-exported for the engine tests)
 def assert_pools_whole(engine: Engine) -> None:
     """free + evictable == capacity, nothing locked, no request row held."""
     load = engine.get_load()  # also waits until the loop has processed everything before it
-    sched = engine.scheduler
+    mem = engine.scheduler.memory
     assert load.num_running_reqs == 0 and load.num_queue_reqs == 0
-    assert sched.allocator.available_size() + sched.tree_cache.evictable_size() == sched.max_total_num_tokens
-    assert sched.tree_cache.protected_size() == 0
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert mem.allocator.available_size() + mem.tree_cache.evictable_size() == mem.max_total_num_tokens
+    assert mem.tree_cache.protected_size() == 0
+    assert mem.req_to_token_pool.available_size() == mem.req_to_token_pool.size
 
 
 @pytest.fixture(scope="session")

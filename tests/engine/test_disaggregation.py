@@ -108,7 +108,7 @@ def test_chunked_paged_handover_matches_hf(smollm_path: str, golden, overrides) 
 def test_bad_handover_is_rejected_naming_the_field(pair, golden) -> None:
     _, decode = pair
     g = golden[0]
-    pool = decode.scheduler.token_to_kv_pool
+    pool = decode.scheduler.memory.kv_pool
     wrong = torch.zeros(pool.layer_num, 2, len(g.input_ids) - 1, pool.head_num, pool.head_dim)
 
     async def run() -> None:

@@ -264,7 +264,7 @@ def test_prompt_longer_than_context_is_rejected(small_engine: Engine) -> None:
 
 
 def test_max_new_tokens_is_clamped_to_the_context(small_engine: Engine) -> None:
-    # A request may hold context_length - 1 tokens (prompt + outputs); see Scheduler._validate.
+    # A request may hold context_length - 1 tokens (prompt + outputs); see RequestValidator.validate.
     r = small_engine.generate_sync(input_ids=[100] * 120, sampling_params={"max_new_tokens": 100, "ignore_eos": True})
     assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 128 - 120 - 1}
     assert len(r["output_ids"]) == 7

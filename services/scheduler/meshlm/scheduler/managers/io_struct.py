@@ -9,7 +9,7 @@ meshlm.common.finish.FinishReason, the type every service shares.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from meshlm.common.finish import FinishReason
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
@@ -229,3 +229,19 @@ class EmbeddingOut:
 @dataclass
 class BatchEmbeddingOut:
     results: list[EmbeddingOut] = field(default_factory=list)
+
+
+# What goes through the SchedulerPort: inputs from the outside, outputs per step (tokens,
+# embeddings, and on a prefill scheduler the handed-over requests), replies to control calls.
+InputMessage = Union[
+    TokenizedGenerateReqInput,
+    PrefilledReq,
+    TokenizedEmbeddingReqInput,
+    AbortReq,
+    FlushCacheReq,
+    GetLoadReq,
+    OpenSessionReq,
+    CloseSessionReq,
+]
+OutputMessage = Union[BatchTokenIDOut, BatchEmbeddingOut, PrefilledReq]
+ControlOutput = Union[FlushCacheOutput, LoadReport, OpenSessionOutput, CloseSessionOutput]

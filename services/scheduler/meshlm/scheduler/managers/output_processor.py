@@ -1,15 +1,22 @@
-"""SchedulerOutputMixin: turn a finished forward into request state and outgoing deltas
-(SGLang's scheduler_output_processor_mixin): append tokens, logprobs, stop checks, caching,
-and one BatchTokenIDOut per step holding a TokenDelta per emitting request."""
+"""OutputProcessor: turn a finished forward into request state and outgoing deltas (SGLang's
+scheduler_output_processor_mixin): append tokens and logprobs, check stop conditions, cache
+or hand over KV, and emit one BatchTokenIDOut per step holding a TokenDelta per emitting
+request (`stream_output`, also used by every other part to end a request with an error).
+
+KV rule after a step: a finished request's KV goes to the prefix cache (cache_finished_req);
+an unfinished one's computed prompt is made shareable (cache_unfinished_req), unless the
+prefill role hands it over (PrefillHandoff) or it is a decode step riding in a mixed batch.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Optional
 
 import torch
 
-from meshlm.common.finish import FinishReason
+from meshlm.common.finish import AbortStatus, FinishReason
+from meshlm.scheduler.disaggregation.prefill import PrefillHandoff
 from meshlm.scheduler.managers.io_struct import (
     BatchEmbeddingOut,
     BatchTokenIDOut,
@@ -17,30 +24,39 @@ from meshlm.scheduler.managers.io_struct import (
     LogprobDelta,
     TokenDelta,
 )
+from meshlm.scheduler.managers.port import SchedulerPort
 from meshlm.scheduler.managers.req import Req
+from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
+from meshlm.scheduler.managers.tokenizer_protocol import Tokenizer
+from meshlm.scheduler.managers.tp_worker import GenerationBatchResult
+from meshlm.scheduler.mem_cache.base_prefix_cache import BasePrefixCache
+from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 from meshlm.scheduler.sampling.sampler import compute_logprobs
-
-if TYPE_CHECKING:
-    from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
-    from meshlm.scheduler.managers.tp_worker import GenerationBatchResult
-    from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 
 FORCE_STREAM_INTERVAL = 50  # non-streaming requests still emit this often (detokenizer pace)
 
 
-class SchedulerOutputMixin:
-    tokenizer: Any
-    tree_cache: Any
-    port: Any
-    config: Any
-    model_config: Any
-    chunked_req: Any
-    should_transfer: Any
-    transfer_prefilled: Any
+class OutputProcessor:
+    def __init__(
+        self,
+        tokenizer: Optional[Tokenizer],
+        tree_cache: BasePrefixCache,
+        port: SchedulerPort,
+        stream_interval: int,
+        handoff: PrefillHandoff,
+    ) -> None:
+        """stream_interval: emit a streaming request every this many tokens unless its own
+        sampling params say otherwise; handoff: the prefill role's hand-over (disabled in
+        other roles)."""
+        self.tokenizer = tokenizer
+        self.tree_cache = tree_cache
+        self.port = port
+        self.stream_interval = stream_interval
+        self.handoff = handoff
 
     # ---- results --------------------------------------------------------------------------
     def process_batch_result_prefill(
-        self, batch: "ScheduleBatch", fb: "ForwardBatch", result: "GenerationBatchResult"
+        self, batch: ScheduleBatch, fb: ForwardBatch, result: GenerationBatchResult
     ) -> None:
         if fb.return_logprob:
             self._add_input_logprobs(batch, fb, result)
@@ -69,14 +85,14 @@ class SchedulerOutputMixin:
                 self.tree_cache.cache_finished_req(req)
             elif decoding is not None and id(req) in decoding:
                 continue  # a decode step riding in a mixed batch: its prompt is cached already
-            elif self.should_transfer(req):
-                self.transfer_prefilled(req)
+            elif self.handoff.should_transfer(req):
+                self.handoff.transfer_prefilled(req)
             else:
                 # Make the prompt's KV shareable with requests arriving meanwhile.
                 self.tree_cache.cache_unfinished_req(req)
         self.stream_output([r for r in batch.reqs if not r.is_chunked])
 
-    def process_batch_result_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> None:
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         for j, req in enumerate(batch.reqs):
             if req.finished():
                 continue
@@ -86,7 +102,7 @@ class SchedulerOutputMixin:
                 self.tree_cache.cache_finished_req(req)
         self.stream_output(batch.reqs)
 
-    def process_batch_result_embedding(self, batch: "ScheduleBatch", embeddings: torch.Tensor) -> None:
+    def process_batch_result_embedding(self, batch: ScheduleBatch, embeddings: torch.Tensor) -> None:
         out = BatchEmbeddingOut()
         rows = embeddings.float().cpu().tolist()
         for req, emb in zip(batch.reqs, rows):
@@ -97,7 +113,7 @@ class SchedulerOutputMixin:
             out.results.append(EmbeddingOut(req.rid, emb, len(req.origin_input_ids), req.finished_reason))
         self.port.send_output(out)
 
-    def _append_token(self, req: Req, result: "GenerationBatchResult", j: int) -> None:
+    def _append_token(self, req: Req, result: GenerationBatchResult, j: int) -> None:
         sample = result.sample
         assert sample is not None
         req.output_ids.append(int(sample.next_token_ids[j]))
@@ -110,7 +126,7 @@ class SchedulerOutputMixin:
         if req.token_ids_logprob is not None and sample.token_ids_logprobs is not None:
             req.output_token_ids_logprobs.append(sample.token_ids_logprobs[j] or [])
 
-    def _add_input_logprobs(self, batch: "ScheduleBatch", fb: "ForwardBatch", result: "GenerationBatchResult") -> None:
+    def _add_input_logprobs(self, batch: ScheduleBatch, fb: ForwardBatch, result: GenerationBatchResult) -> None:
         """Input logprobs of this extend segment. Row j of segment i (absolute position
         pre+j) predicts fill token pre+j+1; rows [start, n-1) come from input_logits, and a
         non-final chunk's last row (next_token_logits[i]) predicts the next chunk's first token."""
@@ -136,7 +152,7 @@ class SchedulerOutputMixin:
             if not req.input_token_logprobs and req.logprob_start_len == 0:
                 # The first prompt token has no prediction: None, and an empty row in the
                 # top / token-id lists, so entry k of every list is about prompt token k.
-                req.input_token_logprobs.append(None)  # type: ignore[arg-type]
+                req.input_token_logprobs.append(None)
                 if req.top_logprobs_num:
                     req.input_top_logprobs.append([])
                 if req.token_ids_logprob is not None:
@@ -172,6 +188,15 @@ class SchedulerOutputMixin:
             req.finished_reason = FinishReason.at_length(len(req.output_ids))
 
     # ---- outputs --------------------------------------------------------------------------
+    def reject(self, req: Req, message: str, status_code: int = AbortStatus.BAD_REQUEST) -> None:
+        """End a request that cannot run with an error naming why (it holds no KV)."""
+        self.abort(req, FinishReason.aborted(message, status_code))
+
+    def abort(self, req: Req, reason: FinishReason) -> None:
+        """Finish a request that holds no KV with `reason` and emit it."""
+        req.finished_reason = reason
+        self.stream_output([req])
+
     def _should_emit(self, req: Req) -> bool:
         """Finished requests always emit; others at their stream cadence, except while the
         output ends with the start of a stop string (text that a later match would trim)."""
@@ -179,7 +204,7 @@ class SchedulerOutputMixin:
             return True
         n = len(req.output_ids)
         if req.stream:
-            interval = req.sampling_params.stream_interval or self.config.stream_interval
+            interval = req.sampling_params.stream_interval or self.stream_interval
             due = n == 1 or n - req.send_token_offset >= interval
         else:
             due = n % FORCE_STREAM_INTERVAL == 0

@@ -10,23 +10,25 @@ from __future__ import annotations
 import queue
 from typing import Any, Callable
 
+from meshlm.scheduler.managers.io_struct import ControlOutput, InputMessage, OutputMessage
+
 OutputCallback = Callable[[Any], None]
 
 
 class SchedulerPort:
     def __init__(self, on_output: OutputCallback, on_control: OutputCallback) -> None:
-        self._inbox: "queue.Queue[Any]" = queue.Queue()
+        self._inbox: "queue.Queue[InputMessage]" = queue.Queue()
         self._on_output = on_output
         self._on_control = on_control
 
     # called by producers (any thread)
-    def put(self, msg: Any) -> None:
+    def put(self, msg: InputMessage) -> None:
         self._inbox.put(msg)
 
     # called by the loop thread
-    def recv_requests(self, block: bool, timeout: float = 0.05) -> list[Any]:
+    def recv_requests(self, block: bool, timeout: float = 0.05) -> list[InputMessage]:
         """Everything queued now; when `block`, wait up to `timeout` for the first message."""
-        msgs: list[Any] = []
+        msgs: list[InputMessage] = []
         if block:
             try:
                 msgs.append(self._inbox.get(timeout=timeout))
@@ -38,8 +40,8 @@ class SchedulerPort:
             except queue.Empty:
                 return msgs
 
-    def send_output(self, msg: Any) -> None:
+    def send_output(self, msg: OutputMessage) -> None:
         self._on_output(msg)
 
-    def send_control(self, msg: Any) -> None:
+    def send_control(self, msg: ControlOutput) -> None:
         self._on_control(msg)

@@ -15,12 +15,13 @@ KV exists for every token except the newest output token, which is fed by the ne
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from meshlm.common.finish import FinishReason
 from meshlm.scheduler.managers.io_struct import ReqTimes
+from meshlm.scheduler.mem_cache.radix_cache import TreeNode
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
 
@@ -63,7 +64,7 @@ class Req:
         # Memory state.
         self.req_pool_idx: Optional[int] = None
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
-        self.last_node: Any = None
+        self.last_node: Optional[TreeNode] = None  # deepest node of the locked cached prefix
         self.extend_input_len = 0
         self.cache_protected_len = 0  # leading KV positions owned by the radix tree (locked)
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to users)
@@ -77,7 +78,7 @@ class Req:
         self.token_ids_logprob = token_ids_logprob
         self.input_logprobs_done = False
         self.input_logprobs_sent = False
-        self.input_token_logprobs: list[float] = []
+        self.input_token_logprobs: list[Optional[float]] = []  # None: the first prompt token
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.input_token_ids_logprobs: list[list[tuple[float, int]]] = []
         self.output_token_logprobs: list[float] = []
@@ -89,7 +90,6 @@ class Req:
         self.finished_reason: Optional[FinishReason] = None
         self.transferred = False
         self.embedding: Optional[list[float]] = None
-        self.decoded_text = ""  # scheduler-side detokenized tail for stop strings
         self.send_token_offset = 0
         self.send_logprob_offset = 0
 

@@ -21,6 +21,7 @@ from meshlm.scheduler.sampling.sampling_batch_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
     from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
+    from meshlm.scheduler.mem_cache.base_prefix_cache import BasePrefixCache
     from meshlm.scheduler.mem_cache.memory_pool import ReqToTokenPool
 
 
@@ -34,7 +35,7 @@ class ScheduleBatch:
         reqs: list[Req],
         req_to_token_pool: "ReqToTokenPool",
         allocator: "TokenToKVPoolAllocator",
-        tree_cache: object,
+        tree_cache: "BasePrefixCache",
         vocab_size: int,
         device: torch.device,
     ) -> None:
@@ -64,7 +65,7 @@ class ScheduleBatch:
     def _evict_for(self, num_tokens: int) -> None:
         short = num_tokens - self.allocator.available_size()
         if short > 0:
-            self.tree_cache.evict(short)  # type: ignore[attr-defined]
+            self.tree_cache.evict(short)
 
     def _alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_loc: list[int]) -> torch.Tensor:
         page = self.allocator.page_size
@@ -228,19 +229,3 @@ class ScheduleBatch:
         else:
             self.sampling_info.merge_batch(other.sampling_info)
         self.reqs = self.reqs + other.sampling_reqs
-
-    def release_req(self, req: Req) -> None:
-        """Free a request's own KV slots and row, unlock its prefix (used by retract/abort).
-
-        Slots [cache_protected_len, seqlen-1) belong to the request (see module doc)."""
-        assert req.req_pool_idx is not None
-        kv_len = len(req.fill_ids) if req.is_chunked else req.seqlen - 1
-        kv_len = max(kv_len, len(req.prefix_indices))
-        protected = req.cache_protected_len
-        owned = self.req_to_token_pool.req_to_token[req.req_pool_idx, protected:kv_len]
-        if owned.numel():
-            self.allocator.free(owned.clone())
-        if req.last_node is not None:
-            self.tree_cache.dec_lock_ref(req.last_node)  # type: ignore[attr-defined]
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.reset_for_retract()

@@ -18,6 +18,7 @@ from meshlm.scheduler.managers.req import Req
 
 if TYPE_CHECKING:
     from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
+    from meshlm.scheduler.mem_cache.base_prefix_cache import BasePrefixCache
 
 CLIP_MAX_NEW_TOKENS = 4096
 LPM_FALLBACK_QUEUE_LEN = 128  # lpm degrades to fcfs on long queues, as in SGLang
@@ -36,7 +37,7 @@ def remaining_new_tokens(req: Req) -> int:
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: object, radix_enabled: bool) -> None:
+    def __init__(self, policy: str, tree_cache: "BasePrefixCache", radix_enabled: bool) -> None:
         self.policy = policy if radix_enabled else "fcfs"
         self.tree_cache = tree_cache
 
@@ -49,7 +50,7 @@ class SchedulePolicy:
 class PrefillAdder:
     def __init__(
         self,
-        tree_cache: object,
+        tree_cache: "BasePrefixCache",
         allocator: "TokenToKVPoolAllocator",
         running_reqs: list[Req],
         new_token_ratio: float,
@@ -72,7 +73,7 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> int:
-        free = self.allocator.available_size() + self.tree_cache.evictable_size()  # type: ignore[attr-defined]
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
         return free - self.total_offset
 
     def _ceil_page(self, n: int) -> int:
@@ -104,7 +105,7 @@ class PrefillAdder:
             return AddReqResult.OTHER
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens < self.page_size:
             return AddReqResult.OTHER
-        self.tree_cache.inc_lock_ref(req.last_node)  # type: ignore[attr-defined]
+        self.tree_cache.inc_lock_ref(req.last_node)
         self._add(req, locked=False)
         return self._budget_state()
 

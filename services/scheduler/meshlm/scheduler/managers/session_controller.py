@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from meshlm.scheduler.managers.io_struct import (
     CloseSessionOutput,
@@ -27,6 +27,7 @@ from meshlm.scheduler.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from meshlm.scheduler.managers.req import Req
+from meshlm.scheduler.managers.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +54,15 @@ class Session:
 
 
 class SessionController:
-    def __init__(self, max_req_len: int, tokenizer: Any = None) -> None:
+    def __init__(self, max_req_len: int, tokenizer: Optional[Tokenizer] = None) -> None:
         self.max_req_len = max_req_len
         self.sessions: dict[str, Session] = {}
         # SGLang drops a leading BOS from a continuing turn's ids. Only do so when the tokenizer
         # adds BOS by itself: some chat models (SmolLM2) use <|im_start|> as bos_token, and
         # every chat turn starts with it.
         self.trim_bos_id: Optional[int] = None
-        bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
-        if bos is not None:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if tokenizer is not None and bos is not None:
             try:
                 ids = list(tokenizer("a").input_ids)
             except Exception:

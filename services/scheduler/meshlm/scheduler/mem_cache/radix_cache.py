@@ -30,13 +30,6 @@ from meshlm.scheduler.mem_cache.memory_pool import ReqToTokenPool
 
 ChildKey = Union[int, tuple[int, ...]]
 
-_clock = itertools.count()
-
-
-def _tick() -> int:
-    """Monotonic access counter (deterministic LRU order, no ties from a coarse clock)."""
-    return next(_clock)
-
 
 class TreeNode:
     """One edge of the radix tree plus the node it leads to (see module invariants)."""
@@ -48,7 +41,9 @@ class TreeNode:
         key: Optional[list[int]] = None,
         value: Optional[torch.Tensor] = None,
         parent: Optional[TreeNode] = None,
+        access_time: int = 0,
     ) -> None:
+        """access_time: the owning cache's access counter when the node was made (LRU order)."""
         self.children: dict[ChildKey, TreeNode] = {}
         self.parent = parent
         self.key: list[int] = key if key is not None else []
@@ -56,7 +51,7 @@ class TreeNode:
             value if value is not None else torch.empty(0, dtype=torch.int64)
         )
         self.lock_ref = 0
-        self.last_access_time = _tick()
+        self.last_access_time = access_time
         self.hit_count = 0
 
     def is_leaf(self) -> bool:
@@ -87,11 +82,16 @@ class RadixCache(BasePrefixCache):
     ) -> None:
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
         self.disable = disable
+        # Access counter of this tree's nodes: deterministic LRU order, no ties from a coarse clock.
+        self._clock = itertools.count()
         self.reset()
+
+    def _tick(self) -> int:
+        return next(self._clock)
 
     def reset(self) -> None:
         """Forget the whole tree. Does not free slots: clear the allocator alongside."""
-        self.root_node = TreeNode()
+        self.root_node = TreeNode(access_time=self._tick())
         self.root_node.lock_ref = 1
         self._evictable_size = 0
         self._protected_size = 0
@@ -146,7 +146,7 @@ class RadixCache(BasePrefixCache):
         if self.disable:
             return MatchResult(self._empty_indices(), self.root_node)
         key = key[: len(key) // self.page_size * self.page_size]
-        now = _tick()
+        now = self._tick()
         node = self.root_node
         node.last_access_time = now
         values: list[torch.Tensor] = []
@@ -180,7 +180,7 @@ class RadixCache(BasePrefixCache):
             raise ValueError(f"insert: key has {len(key)} tokens but value has {len(value)}")
         if len(key) % self.page_size:
             raise ValueError(f"insert: key length {len(key)} is not page-aligned")
-        now = _tick()
+        now = self._tick()
         node = self.root_node
         node.last_access_time = now
         prefix_len = 0
@@ -199,7 +199,9 @@ class RadixCache(BasePrefixCache):
                 break
             node = child
         if key:
-            leaf = TreeNode(key=list(key), value=value.to(self.device).clone(), parent=node)
+            leaf = TreeNode(
+                key=list(key), value=value.to(self.device).clone(), parent=node, access_time=self._tick()
+            )
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable_size += len(leaf.key)
             self._refresh_leaf(node)

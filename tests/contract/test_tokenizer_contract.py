@@ -122,7 +122,8 @@ async def ring(
         connect_timeout_s=config.pop("connect_timeout_s", 3.0),
         **config,
     )
-    server, manager = await start_server(cfg, tokenizer=tok)
+    running = await start_server(cfg, tokenizer=tok)
+    server, manager = running.server, running.manager
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     r = Ring(
         tokenizer_pb2_grpc.TokenizerServiceStub(channel), channel, manager, server, fakes, tokens
@@ -131,8 +132,7 @@ async def ring(
         yield r
     finally:
         await channel.close()
-        await server.server.stop(0)
-        await manager.close()
+        await running.close()
         for f in fakes:
             await f.stop(0)
         if detok is not None:
@@ -865,7 +865,8 @@ def test_full_ring_with_real_scheduler_matches_hf_greedy(tok, smollm_path, smoll
             detokenizer_addrs=(daddr,),
             connect_timeout_s=10.0,
         )
-        server, manager = await start_server(cfg)  # learns the tokenizer path from the scheduler
+        running = await start_server(cfg)  # learns the tokenizer path from the scheduler
+        server, manager = running.server, running.manager
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         try:
@@ -901,8 +902,7 @@ def test_full_ring_with_real_scheduler_matches_hf_greedy(tok, smollm_path, smoll
             return streamed, whole, list(info.schedulers)
         finally:
             await channel.close()
-            await server.server.stop(0)
-            await manager.close()
+            await running.close()
             await sched.close()
             await detok.stop(0.5)
 

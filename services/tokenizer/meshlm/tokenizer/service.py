@@ -1,5 +1,9 @@
 """meshlm.v1.TokenizerService: a thin gRPC adapter over TokenizerManager, and `serve(config)`.
 
+`start_server` builds the manager, the servicer and the gRPC server, each given what it needs
+in its constructor, and returns them with the health-tracking task as a `RunningTokenizer`
+(which owns that task: nothing is attached to the manager from outside).
+
 Errors leave as `context.abort(code, message)` with the code of meshlm.common.errors; the
 message names the field and the limit. Unexpected exceptions become INTERNAL (logged).
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import grpc
@@ -66,53 +71,93 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
             )
 
-    async def Embed(self, request, context):
+    async def Embed(
+        self, request: tokenizer_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.EmbedResponse:
         return await _unary(context, lambda: self.manager.embed(request))
 
-    async def Abort(self, request, context):
-        async def run():
+    async def Abort(
+        self, request: tokenizer_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.AbortResponse:
+        async def run() -> tokenizer_pb2.AbortResponse:
             self.manager.abort(request.rid, request.abort_all)
             return tokenizer_pb2.AbortResponse()
 
         return await _unary(context, run)
 
-    async def Tokenize(self, request, context):
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
         return await _unary(context, lambda: _value(self.manager.tokenize(request)))
 
-    async def Detokenize(self, request, context):
+    async def Detokenize(
+        self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.DetokenizeResponse:
         return await _unary(context, lambda: _value(self.manager.detokenize(request)))
 
-    async def GetModelInfo(self, request, context) -> common_pb2.ModelInfo:
+    async def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ModelInfo:
         return await _unary(context, self.manager.get_model_info)
 
-    async def GetServerInfo(self, request, context):
+    async def GetServerInfo(
+        self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.ServerInfo:
         return await _unary(context, self.manager.get_server_info)
 
-    async def FlushCache(self, request, context):
+    async def FlushCache(
+        self, request: tokenizer_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.FlushCacheResponse:
         return await _unary(context, self.manager.flush_cache)
 
-    async def OpenSession(self, request, context):
-        async def run():
+    async def OpenSession(
+        self, request: tokenizer_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.OpenSessionResponse:
+        async def run() -> tokenizer_pb2.OpenSessionResponse:
             return tokenizer_pb2.OpenSessionResponse(
                 session_id=await self.manager.open_session(request)
             )
 
         return await _unary(context, run)
 
-    async def CloseSession(self, request, context):
-        async def run():
+    async def CloseSession(
+        self, request: tokenizer_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.CloseSessionResponse:
+        async def run() -> tokenizer_pb2.CloseSessionResponse:
             await self.manager.close_session(request.session_id)
             return tokenizer_pb2.CloseSessionResponse()
 
         return await _unary(context, run)
 
 
+@dataclass
+class RunningTokenizer:
+    """A started tokenizer server (what `serve` runs; tests drive it directly). `readiness`:
+    the task that keeps health in step with the peers (see _track_readiness)."""
+
+    server: GrpcServer
+    manager: TokenizerManager
+    readiness: "asyncio.Task[None]"
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def close(self) -> None:
+        """Stop tracking readiness, stop the gRPC server now, close the peer streams."""
+        self.readiness.cancel()
+        await asyncio.gather(self.readiness, return_exceptions=True)
+        await self.server.stop(0)
+        await self.manager.close()
+
+
 async def start_server(
     config: TokenizerConfig,
     tokenizer: Optional[HFTokenizer] = None,
     metrics: Optional[Metrics] = None,
-) -> tuple[GrpcServer, TokenizerManager]:
-    """Start the manager (peer streams), load the tokenizer, bind and start the gRPC server."""
+) -> RunningTokenizer:
+    """Start the manager (peer streams), load the tokenizer, bind and start the gRPC server;
+    health is SERVING only while the peers are (from the first status on)."""
     manager = TokenizerManager(config, tokenizer=tokenizer, metrics=metrics)
     await manager.start()
     try:
@@ -126,11 +171,11 @@ async def start_server(
         await server.start()
         serving = manager.peers_ready()
         await server.set_serving(serving)
-        manager._bg.append(asyncio.create_task(_track_readiness(server, manager, serving)))
+        readiness = asyncio.create_task(_track_readiness(server, manager, serving), name="readiness")
     except BaseException:
         await manager.close()
         raise
-    return server, manager
+    return RunningTokenizer(server, manager, readiness)
 
 
 async def _track_readiness(
@@ -154,7 +199,8 @@ async def serve(config: TokenizerConfig) -> int:
     setup_logging("tokenizer", config.log_level, config.log_format)
     setup_telemetry("meshlm-tokenizer", config.otlp_endpoint)
     metrics = Metrics()
-    server, manager = await start_server(config, metrics=metrics)
+    running = await start_server(config, metrics=metrics)
+    server, manager = running.server, running.manager
     metrics.serve(config.metrics_port)
     logger.info(
         "tokenizer %s serving on port %d (schedulers %s, detokenizers %s)",
@@ -171,6 +217,6 @@ async def serve(config: TokenizerConfig) -> int:
     try:
         await server.serve_until_signal(config.grace_period_s, on_drain)
     finally:
-        await manager.close()
+        await running.close()
         shutdown_telemetry()
     return 0

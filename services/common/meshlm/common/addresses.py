@@ -8,6 +8,8 @@ import ipaddress
 import socket
 from typing import Awaitable, Callable, Optional, Sequence
 
+Resolver = Callable[[str], Awaitable[list[str]]]
+
 
 def parse_addresses(value: str | list[str] | None) -> list[str]:
     """"a:1,b:2" or ["a:1", "b:2"] -> ["a:1", "b:2"]; each must be host:port."""
@@ -44,7 +46,7 @@ async def resolve(address: str) -> list[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except OSError:
         return [address]
-    ips = sorted({info[4][0] for info in infos})
+    ips = sorted({str(info[4][0]) for info in infos})
     if len(ips) <= 1:
         return [address]
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
@@ -53,15 +55,21 @@ async def resolve(address: str) -> list[str]:
 async def resolve_all(
     addrs: Sequence[str],
     names: Optional[dict[str, str]] = None,
-    resolver: Callable[[str], Awaitable[list[str]]] = resolve,
+    resolver: Resolver = resolve,
 ) -> list[str]:
-    """Every endpoint of an address list, in list order, without repeats. `names`, when given,
-    gets endpoint -> the DNS name it was resolved from (what its TLS certificate must carry;
-    IP literals have none)."""
+    """Every endpoint of an address list, in list order (each name's addresses sorted), without
+    repeats: the order is the scheduler index that session ids name. `names`, when given, gets
+    endpoint -> the DNS name it was resolved from (what its TLS certificate must carry; IP
+    literals have none).
+
+    A dual-stack name (IPv4 and IPv6 addresses, e.g. localhost or a dual-stack pod) would count
+    each peer twice: when a name has IPv4 addresses its IPv6 ones are dropped."""
     out: list[str] = []
     for addr in addrs:
+        endpoints = await resolver(addr)
+        v4 = [e for e in endpoints if not e.startswith("[")]
         name = server_name(addr)
-        for endpoint in await resolver(addr):
+        for endpoint in v4 or endpoints:
             if endpoint not in out:
                 out.append(endpoint)
                 if names is not None and name is not None:

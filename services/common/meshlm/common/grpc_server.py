@@ -21,11 +21,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from meshlm.common.channels import MAX_MESSAGE_BYTES
 from meshlm.common.tls import PLAINTEXT, TlsConfig
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
 DrainHook = Callable[[], Awaitable[None]]
 
 

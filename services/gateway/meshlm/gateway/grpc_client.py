@@ -18,27 +18,20 @@ import contextlib
 import logging
 import time
 import zlib
-from typing import Any, AsyncIterator, Awaitable, Iterable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import Request
 
-from meshlm.common.addresses import resolve_all
+from meshlm.common.channels import Dialer
 from meshlm.common.errors import ServiceError
 from meshlm.common.telemetry import current_traceparent
-from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
+from meshlm.common.tls import TlsConfig
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 _SAMPLING_FIELDS = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
 
 
@@ -72,10 +65,15 @@ def trace_context() -> common_pb2.TraceContext:
     return common_pb2.TraceContext(traceparent=traceparent, tracestate=tracestate)
 
 
+Reply = TypeVar("Reply")
+# One call of one endpoint's stub: (stub, timeout in s) -> the reply.
+StubCall = Callable[[tokenizer_pb2_grpc.TokenizerServiceStub, float], Awaitable[Reply]]
+
+
 class _Endpoint:
-    def __init__(self, address: str, tls: TlsConfig, name: Optional[str]) -> None:
+    def __init__(self, address: str, dialer: Dialer) -> None:
         self.address = address
-        self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS, name)
+        self.channel = dialer.channel(address)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = True  # optimistic until a check says otherwise
@@ -121,8 +119,7 @@ class TokenizerPool:
         health_timeout_s: float = 2.0, tls: Optional[TlsConfig] = None,
     ) -> None:
         self.addresses = list(addresses)
-        self.tls = tls or PLAINTEXT
-        self._names: dict[str, str] = {}  # endpoint -> the DNS name it was resolved from
+        self.dialer = Dialer(tls)  # remembers the DNS name each endpoint was resolved from
         self.resolve_interval_s = resolve_interval_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
@@ -139,7 +136,7 @@ class TokenizerPool:
             self._loop, self._endpoints = loop, {}
         if set(self._endpoints) != set(self._resolved):
             kept = {
-                a: self._endpoints.get(a) or _Endpoint(a, self.tls, self._names.get(a))
+                a: self._endpoints.get(a) or _Endpoint(a, self.dialer)
                 for a in self._resolved
             }
             for address, ep in self._endpoints.items():
@@ -153,7 +150,7 @@ class TokenizerPool:
 
     async def refresh(self) -> None:
         """Re-resolve every configured address (pods of a headless service come and go)."""
-        resolved = await resolve_all(self.addresses, self._names)
+        resolved = await self.dialer.resolve(self.addresses)
         if resolved != self._resolved:
             logger.info("tokenizer endpoints: %s", ", ".join(resolved))
         self._resolved = resolved
@@ -240,14 +237,16 @@ class TokenizerPool:
         self._endpoints = {}
 
     # ------------------------------------------------------------------ calls
-    async def unary(self, method: str, request: Any, *, timeout: float, key: Optional[str] = None) -> Any:
-        """TokenizerService.<method>(request); UNAVAILABLE is retried on the other endpoints."""
+    async def _unary(
+        self, call: StubCall[Reply], *, timeout: float, key: Optional[str] = None
+    ) -> Reply:
+        """call(one endpoint's stub); UNAVAILABLE is retried on the other endpoints."""
         deadline = time.monotonic() + timeout
         tried: list[str] = []
         while True:
             ep = self.pick(tried, key)
             try:
-                return await getattr(ep.stub, method)(request, timeout=max(deadline - time.monotonic(), 0.001))
+                return await call(ep.stub, max(deadline - time.monotonic(), 0.001))
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._failed(ep)
@@ -256,12 +255,69 @@ class TokenizerPool:
                         continue
                 raise to_service_error(e, ep.address) from None
 
-    async def broadcast(self, method: str, request: Any, *, timeout: float) -> list[Any]:
-        """Call every endpoint at once; each result is the reply or a ServiceError."""
+    async def embed(
+        self, request: tokenizer_pb2.EmbedRequest, *, timeout: float
+    ) -> tokenizer_pb2.EmbedResponse:
+        return await self._unary(lambda stub, t: stub.Embed(request, timeout=t), timeout=timeout)
 
-        async def one(ep: _Endpoint) -> Any:
+    async def tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, *, timeout: float
+    ) -> tokenizer_pb2.TokenizeResponse:
+        return await self._unary(
+            lambda stub, t: stub.Tokenize(request, timeout=t), timeout=timeout
+        )
+
+    async def detokenize(
+        self, request: tokenizer_pb2.DetokenizeRequest, *, timeout: float
+    ) -> tokenizer_pb2.DetokenizeResponse:
+        return await self._unary(
+            lambda stub, t: stub.Detokenize(request, timeout=t), timeout=timeout
+        )
+
+    async def get_model_info(self, *, timeout: float) -> common_pb2.ModelInfo:
+        request = common_pb2.GetModelInfoRequest()
+        return await self._unary(
+            lambda stub, t: stub.GetModelInfo(request, timeout=t), timeout=timeout
+        )
+
+    async def get_server_info(self, *, timeout: float) -> tokenizer_pb2.ServerInfo:
+        request = tokenizer_pb2.GetServerInfoRequest()
+        return await self._unary(
+            lambda stub, t: stub.GetServerInfo(request, timeout=t), timeout=timeout
+        )
+
+    async def flush_cache(self, *, timeout: float) -> tokenizer_pb2.FlushCacheResponse:
+        request = tokenizer_pb2.FlushCacheRequest()
+        return await self._unary(
+            lambda stub, t: stub.FlushCache(request, timeout=t), timeout=timeout
+        )
+
+    async def open_session(
+        self, request: tokenizer_pb2.OpenSessionRequest, *, timeout: float
+    ) -> tokenizer_pb2.OpenSessionResponse:
+        """Pinned, like every request of the session, by its id."""
+        return await self._unary(
+            lambda stub, t: stub.OpenSession(request, timeout=t),
+            timeout=timeout, key=request.session_id,
+        )
+
+    async def close_session(
+        self, request: tokenizer_pb2.CloseSessionRequest, *, timeout: float
+    ) -> tokenizer_pb2.CloseSessionResponse:
+        return await self._unary(
+            lambda stub, t: stub.CloseSession(request, timeout=t),
+            timeout=timeout, key=request.session_id,
+        )
+
+    async def abort_everywhere(
+        self, request: tokenizer_pb2.AbortRequest, *, timeout: float
+    ) -> list[tokenizer_pb2.AbortResponse | ServiceError]:
+        """Abort on every endpoint at once (any of them may hold the request); each result is
+        the reply or a ServiceError."""
+
+        async def one(ep: _Endpoint) -> tokenizer_pb2.AbortResponse | ServiceError:
             try:
-                return await getattr(ep.stub, method)(request, timeout=timeout)
+                return await ep.stub.Abort(request, timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 return to_service_error(e, ep.address)
 

@@ -374,7 +374,7 @@ async def encode(body: EmbeddingReqInput, request: Request) -> Response:
     request_id_var.set(rid)
     ereq = tokenizer_pb2.EmbedRequest(rid=rid, prompts=prompts, trace=trace_context())
     try:
-        reply = await cancel_on_disconnect(request, st.pool.unary("Embed", ereq, timeout=st.config.request_timeout_s))
+        reply = await cancel_on_disconnect(request, st.pool.embed(ereq, timeout=st.config.request_timeout_s))
     except ClientDisconnected:
         return Response(status_code=499)
     results = [
@@ -412,7 +412,7 @@ async def health_generate(request: Request) -> Response:
             )
             (await st.pool.generate(greq, timeout=HEALTH_CHECK_TIMEOUT_S)).cancel()  # any output will do
         else:
-            await st.pool.unary("Embed", tokenizer_pb2.EmbedRequest(rid=rid, prompts=[prompt]),
+            await st.pool.embed(tokenizer_pb2.EmbedRequest(rid=rid, prompts=[prompt]),
                                 timeout=HEALTH_CHECK_TIMEOUT_S)
 
     try:
@@ -439,7 +439,7 @@ async def get_model_info(request: Request) -> dict:
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict:
     st = get_state(request)
-    info = await st.pool.unary("GetServerInfo", tokenizer_pb2.GetServerInfoRequest(), timeout=st.control_timeout_s)
+    info = await st.pool.get_server_info(timeout=st.control_timeout_s)
     out = await _model_info_dict(st, info.model)
     with contextlib.suppress(ValueError):
         out["tokenizer_config"] = json.loads(info.config_json) if info.config_json else {}
@@ -458,7 +458,7 @@ async def get_server_info(request: Request) -> dict:
 @route("/flush_cache", ["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
     st = get_state(request)
-    reply = await st.pool.unary("FlushCache", tokenizer_pb2.FlushCacheRequest(), timeout=st.control_timeout_s)
+    reply = await st.pool.flush_cache(timeout=st.control_timeout_s)
     if not reply.success:
         return error_response(400, reply.message or "cache not flushed: requests are running")
     return JSONResponse({"success": True, "message": reply.message or "Cache flushed."})
@@ -470,8 +470,8 @@ async def abort_request(body: AbortReq, request: Request) -> Response:
     if not body.rid and not body.abort_all:
         raise bad_request("give a rid or abort_all=true", "rid")
     st = get_state(request)
-    replies = await st.pool.broadcast("Abort", tokenizer_pb2.AbortRequest(rid=body.rid, abort_all=body.abort_all),
-                                      timeout=st.control_timeout_s)
+    replies = await st.pool.abort_everywhere(
+        tokenizer_pb2.AbortRequest(rid=body.rid, abort_all=body.abort_all), timeout=st.control_timeout_s)
     errors = [r for r in replies if isinstance(r, ServiceError)]
     if replies and len(errors) == len(replies):
         raise APIError.from_service_error(errors[0])
@@ -483,10 +483,9 @@ async def open_session(request: Request, body: Optional[OpenSessionReq] = None) 
     st = get_state(request)
     body = body or OpenSessionReq()
     session_id = body.session_id or uuid.uuid4().hex  # chosen here so all its requests pin to one tokenizer
-    reply = await st.pool.unary(
-        "OpenSession", tokenizer_pb2.OpenSessionRequest(capacity_of_str_len=body.capacity_of_str_len,
-                                                         session_id=session_id),
-        timeout=st.control_timeout_s, key=session_id,
+    reply = await st.pool.open_session(
+        tokenizer_pb2.OpenSessionRequest(capacity_of_str_len=body.capacity_of_str_len, session_id=session_id),
+        timeout=st.control_timeout_s,
     )
     return JSONResponse(reply.session_id or session_id)
 
@@ -494,6 +493,6 @@ async def open_session(request: Request, body: Optional[OpenSessionReq] = None) 
 @route("/close_session", ["POST", "GET"])
 async def close_session(body: CloseSessionReq, request: Request) -> Response:
     st = get_state(request)
-    await st.pool.unary("CloseSession", tokenizer_pb2.CloseSessionRequest(session_id=body.session_id),
-                        timeout=st.control_timeout_s, key=body.session_id)
+    await st.pool.close_session(tokenizer_pb2.CloseSessionRequest(session_id=body.session_id),
+                                timeout=st.control_timeout_s)
     return Response(status_code=200)

@@ -273,9 +273,8 @@ def chat_logprobs_of(lp: common_pb2.LogprobDelta, top: int) -> ChatLogprobs:
 
 
 async def _detokenize(st: GatewayState, ids: list[int]) -> str:
-    reply = await st.pool.unary(
-        "Detokenize", tokenizer_pb2.DetokenizeRequest(tokens=ids, skip_special_tokens=False),
-        timeout=st.control_timeout_s,
+    reply = await st.pool.detokenize(
+        tokenizer_pb2.DetokenizeRequest(tokens=ids, skip_special_tokens=False), timeout=st.control_timeout_s
     )
     return reply.text
 
@@ -474,7 +473,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     ereq = tokenizer_pb2.EmbedRequest(rid=body.rid or uuid.uuid4().hex, prompts=prompts_of(body.input),
                                       trace=trace_context())
     try:
-        reply = await cancel_on_disconnect(request, st.pool.unary("Embed", ereq, timeout=st.config.request_timeout_s))
+        reply = await cancel_on_disconnect(request, st.pool.embed(ereq, timeout=st.config.request_timeout_s))
     except ClientDisconnected:
         return disconnected()
     data, tokens = [], 0
@@ -524,7 +523,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         msgs = [tokenizer_pb2.ChatMessage(role=m.role, content=m.content if isinstance(m.content, str) else "")
                 for m in body.prompt]
         prompt = tokenizer_pb2.Prompt(messages=tokenizer_pb2.ChatMessages(messages=msgs))
-    reply = await st.pool.unary("Tokenize", tokenizer_pb2.TokenizeRequest(
+    reply = await st.pool.tokenize(tokenizer_pb2.TokenizeRequest(
         prompt=prompt, add_special_tokens=body.add_special_tokens), timeout=st.control_timeout_s)
     return TokenizeResponse(tokens=list(reply.tokens), count=reply.count, max_model_len=reply.max_model_len)
 
@@ -536,5 +535,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     dreq = tokenizer_pb2.DetokenizeRequest(tokens=body.tokens)
     if body.skip_special_tokens is not None:
         dreq.skip_special_tokens = body.skip_special_tokens
-    reply = await st.pool.unary("Detokenize", dreq, timeout=st.control_timeout_s)
+    reply = await st.pool.detokenize(dreq, timeout=st.control_timeout_s)
     return DetokenizeResponse(text=reply.text)

@@ -29,9 +29,7 @@ class GatewayState:
     async def model_info(self, timeout: Optional[float] = None) -> common_pb2.ModelInfo:
         """GetModelInfo from a tokenizer, fetched once (the model does not change while serving)."""
         if self._model_info is None:  # concurrent first fetches are harmless
-            self._model_info = await self.pool.unary(
-                "GetModelInfo", common_pb2.GetModelInfoRequest(), timeout=timeout or self.control_timeout_s
-            )
+            self._model_info = await self.pool.get_model_info(timeout=timeout or self.control_timeout_s)
         return self._model_info
 
     def cached_model_info(self) -> Optional[common_pb2.ModelInfo]:

@@ -9,28 +9,25 @@ A stream that ends or fails is re-opened with backoff; the address list is re-re
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Callable, Optional, Sequence
 
 import grpc
-from meshlm.common import protocol
-from meshlm.tokenizer.discovery import (
-    RESOLVE_INTERVAL_S,
-    Backoff,
-    Dialer,
-    refresh_forever,
-)
+from meshlm.common.channels import Dialer
+from meshlm.common.peer_stream import RESOLVE_INTERVAL_S, PeerSet, PeerStream
 from meshlm.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 
 logger = logging.getLogger(__name__)
 
 StrHandler = Callable[[detokenizer_pb2.BatchStrOut], None]
 EmbeddingHandler = Callable[[scheduler_pb2.BatchEmbeddingOut], None]
+CONNECT_TIMEOUT_S = 5.0
 
 
-class Subscription:
-    """One detokenizer endpoint's Subscribe stream, kept open."""
+class Subscription(PeerStream):
+    """One detokenizer endpoint's Subscribe stream, kept open. Up: the channel is READY and the
+    call is open (the detokenizer sends nothing until it has output for us, so there is no
+    first message to wait for)."""
 
     def __init__(
         self,
@@ -40,80 +37,37 @@ class Subscription:
         on_embeddings: EmbeddingHandler,
         dialer: Optional[Dialer] = None,
     ) -> None:
-        self.address = address
-        self.dialer = dialer or Dialer()
+        super().__init__(
+            origin, "detokenizer", dialer, endpoint=address, connect_timeout_s=CONNECT_TIMEOUT_S
+        )
         self.origin = origin
         self.on_strs = on_strs
         self.on_embeddings = on_embeddings
-        # Up: the channel is READY and the call is open (the detokenizer sends nothing until
-        # it has output for us, so there is no first message to wait for).
-        self.connected = False
-        self.up = asyncio.Event()
-        self._task: Optional[asyncio.Task] = None
-        self._closed = False
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"detokenizer-subscribe-{self.address}")
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._set_down()
-
-    async def _run(self) -> None:
-        backoff = Backoff()
-        while not self._closed:
-            try:
-                await self._run_once(backoff)
-                reason = "stream ended"
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as e:
-                reason = f"{e.code().name}: {e.details()}"
-            except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-                logger.exception("detokenizer %s subscription failed", self.address)
-            if self.connected:
-                logger.warning("lost detokenizer %s: %s", self.address, reason)
-            self._set_down()
-            if not self._closed:
-                await backoff.sleep()
-
-    async def _run_once(self, backoff: Backoff) -> None:
-        channel = self.dialer.channel(self.address)
+    async def serve(self, channel: grpc.aio.Channel, endpoint: str) -> None:
+        call = detokenizer_pb2_grpc.DetokenizerServiceStub(channel).Subscribe(
+            detokenizer_pb2.SubscribeRequest(hello=self.hello())
+        )
         try:
-            await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
-            call = detokenizer_pb2_grpc.DetokenizerServiceStub(channel).Subscribe(
-                detokenizer_pb2.SubscribeRequest(hello=protocol.hello(self.origin))
-            )
-            try:
-                self.connected = True
-                self.up.set()
-                backoff.reset()
-                logger.info("subscribed to detokenizer %s as %s", self.address, self.origin)
-                async for out in call:
-                    kind = out.WhichOneof("msg")
-                    if kind == "strs":
-                        self.on_strs(out.strs)
-                    elif kind == "embeddings":
-                        self.on_embeddings(out.embeddings)
-            finally:
-                call.cancel()
-        except asyncio.TimeoutError:
-            pass
+            self.mark_up()
+            logger.info("subscribed to detokenizer %s as %s", endpoint, self.origin)
+            async for out in call:
+                kind = out.WhichOneof("msg")
+                if kind == "strs":
+                    self.on_strs(out.strs)
+                elif kind == "embeddings":
+                    self.on_embeddings(out.embeddings)
         finally:
-            await channel.close()
+            call.cancel()
 
-    def _set_down(self) -> None:
-        self.connected = False
-        self.up.clear()
+    def on_down(self, reason: str, was_up: bool) -> None:
+        if was_up:
+            logger.warning("lost detokenizer %s: %s", self.endpoint, reason)
 
 
 class DetokenizerPool:
-    """Subscriptions to every endpoint of the detokenizer address list (re-resolved), each
-    dialed through `dialer` (plaintext by default)."""
+    """Subscriptions to every endpoint of the detokenizer address list (a PeerSet, re-resolved),
+    each dialed through `dialer` (plaintext by default)."""
 
     def __init__(
         self,
@@ -124,54 +78,30 @@ class DetokenizerPool:
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
         dialer: Optional[Dialer] = None,
     ) -> None:
-        self.addresses = list(addresses)
         self.dialer = dialer or Dialer()
         self.origin = origin
         self.on_strs = on_strs
         self.on_embeddings = on_embeddings
-        self.resolve_interval_s = resolve_interval_s
-        self.subscriptions: dict[str, Subscription] = {}
-        self._task: Optional[asyncio.Task] = None
+        self._peers: PeerSet[Subscription] = PeerSet(
+            addresses, self.dialer, self._subscription, "detokenizer", resolve_interval_s
+        )
+
+    def _subscription(self, endpoint: str) -> Subscription:
+        return Subscription(endpoint, self.origin, self.on_strs, self.on_embeddings, self.dialer)
+
+    @property
+    def subscriptions(self) -> dict[str, Subscription]:
+        return {s.endpoint or "": s for s in self._peers.peers}
 
     async def start(self) -> None:
-        await self._refresh()
-        self._task = asyncio.create_task(
-            refresh_forever(self.resolve_interval_s, self._refresh, "detokenizer"), name="detokenizer-resolve"
-        )
+        await self._peers.refresh()
+        self._peers.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(
-            *(s.close() for s in self.subscriptions.values()), return_exceptions=True
-        )
+        await self._peers.close()
 
     def connected(self) -> list[str]:
         return [a for a, s in self.subscriptions.items() if s.connected]
 
     async def wait_any_connected(self, timeout: float) -> bool:
-        if self.connected():
-            return True
-        waits = [asyncio.create_task(s.up.wait()) for s in self.subscriptions.values()]
-        if not waits:
-            return False
-        try:
-            await asyncio.wait(
-                waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for w in waits:
-                w.cancel()
-        return bool(self.connected())
-
-    async def _refresh(self) -> None:
-        endpoints = await self.dialer.resolve(self.addresses)
-        for addr in endpoints:
-            if addr not in self.subscriptions:
-                sub = Subscription(addr, self.origin, self.on_strs, self.on_embeddings, self.dialer)
-                self.subscriptions[addr] = sub
-                sub.start()
-        for addr in [a for a in self.subscriptions if a not in endpoints]:
-            logger.info("detokenizer %s left the address list", addr)
-            await self.subscriptions.pop(addr).close()
+        return await self._peers.wait_any_up(timeout)

@@ -40,7 +40,7 @@ from meshlm.common.telemetry import current_traceparent, span, start_span
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.control import ControlPlane
 from meshlm.tokenizer.detokenizer_client import DetokenizerPool
-from meshlm.tokenizer.discovery import Dialer
+from meshlm.common.channels import Dialer
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.metrics import TokenizerMetrics
 from meshlm.tokenizer.request import (

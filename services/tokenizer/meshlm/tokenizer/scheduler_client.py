@@ -16,17 +16,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Optional, Protocol, Sequence
+from typing import AsyncIterator, Optional, Protocol, Sequence
 
 import grpc
-from meshlm.common import protocol
 from meshlm.common.errors import ServiceError
-from meshlm.tokenizer.discovery import (
-    RESOLVE_INTERVAL_S,
-    Backoff,
-    Dialer,
-    refresh_forever,
-)
+from meshlm.common.channels import Dialer
+from meshlm.common.peer_stream import RESOLVE_INTERVAL_S, PeerSet, PeerStream
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -45,8 +40,9 @@ class SchedulerEvents(Protocol):
     def on_scheduler_lost(self, conn: SchedulerConnection, reason: str) -> None: ...
 
 
-class SchedulerConnection:
-    """One scheduler endpoint: its Connect stream, latest load and pending control calls."""
+class SchedulerConnection(PeerStream):
+    """One scheduler endpoint: its Connect stream, latest load and pending control calls.
+    `index`: its position in the pool's resolved list (the scheduler index session ids name)."""
 
     _call_ids = itertools.count(1)
 
@@ -59,20 +55,16 @@ class SchedulerConnection:
         stale_after_s: float = STALE_AFTER_S,
         dialer: Optional[Dialer] = None,
     ) -> None:
+        super().__init__(origin, "scheduler", dialer, endpoint=address)
         self.index = index
         self.address = address
         self.origin = origin
         self.events = events
         self.stale_after_s = stale_after_s
-        self.dialer = dialer or Dialer()
         self.load: Optional[common_pb2.SchedulerLoad] = None
-        self.connected = False
-        self._up = asyncio.Event()
-        self._queue: Optional[asyncio.Queue] = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._queue: Optional[asyncio.Queue[scheduler_pb2.SchedulerInput]] = None
+        self._pending: dict[int, asyncio.Future[scheduler_pb2.SchedulerOutput]] = {}
         self._channel: Optional[grpc.aio.Channel] = None
-        self._task: Optional[asyncio.Task] = None
-        self._closed = False
 
     @property
     def scheduler_id(self) -> str:
@@ -81,23 +73,6 @@ class SchedulerConnection:
             if self.load is not None and self.load.scheduler_id
             else self.address
         )
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"scheduler-connect-{self.address}")
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._set_down("closed")
-
-    async def wait_up(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._up.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     # ---- sending --------------------------------------------------------------------------
     def send(self, msg: scheduler_pb2.SchedulerInput) -> bool:
@@ -113,7 +88,9 @@ class SchedulerConnection:
         """Send a control message and wait for its reply (UNAVAILABLE / DEADLINE_EXCEEDED)."""
         call_id = next(self._call_ids)
         msg.call_id = call_id
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[scheduler_pb2.SchedulerOutput] = (
+            asyncio.get_running_loop().create_future()
+        )
         self._pending[call_id] = fut
         try:
             if not self.send(msg):
@@ -146,67 +123,39 @@ class SchedulerConnection:
                 await channel.close()
 
     # ---- the stream -----------------------------------------------------------------------
-    async def _run(self) -> None:
-        backoff = Backoff()
-        while not self._closed:
-            reason = "stream ended"
-            try:
-                if await self._run_once():
-                    backoff.reset()
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as e:
-                reason = f"{e.code().name}: {e.details()}"
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # e.g. another protocol version
-                    logger.error("scheduler %s refused the stream: %s", self.address, e.details())
-            except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-                logger.exception("scheduler %s stream failed", self.address)
-            self._set_down(reason)
-            if not self._closed:
-                await backoff.sleep()
-
-    async def _run_once(self) -> bool:
-        """Run one Connect stream until it ends; True if it came up."""
-        queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(scheduler_pb2.SchedulerInput(hello=protocol.hello(self.origin)))
+    async def serve(self, channel: grpc.aio.Channel, endpoint: str) -> None:
+        """One Connect stream: hello and get_load first; up at the scheduler's first reply;
+        over at EOF or after stale_after_s of silence."""
+        queue: asyncio.Queue[scheduler_pb2.SchedulerInput] = asyncio.Queue()
+        queue.put_nowait(scheduler_pb2.SchedulerInput(hello=self.hello()))
         queue.put_nowait(scheduler_pb2.SchedulerInput(get_load=scheduler_pb2.GetLoadReq()))
         self._queue = queue
 
-        async def requests():
+        async def requests() -> AsyncIterator[scheduler_pb2.SchedulerInput]:
             while True:
                 yield await queue.get()
 
-        channel = self.dialer.channel(self.address)
         self._channel = channel
-        came_up = False
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Connect(requests())
         try:
-            call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Connect(requests())
-            try:
-                while True:
-                    try:
-                        out = await asyncio.wait_for(call.read(), self.stale_after_s)
-                    except asyncio.TimeoutError:
-                        logger.warning(
-                            "scheduler %s silent for %.0fs; reconnecting",
-                            self.address,
-                            self.stale_after_s,
-                        )
-                        return came_up
-                    if out is grpc.aio.EOF:
-                        return came_up
-                    if not came_up:
-                        came_up = True
-                        self.connected = True
-                        self._up.set()
-                        logger.info("connected to scheduler %s", self.address)
-                        self.events.on_scheduler_connected(self)
-                    self._dispatch(out)
-            finally:
-                call.cancel()
+            while True:
+                try:
+                    out = await asyncio.wait_for(call.read(), self.stale_after_s)
+                except asyncio.TimeoutError:
+                    logger.warning(
+                        "scheduler %s silent for %.0fs; reconnecting", endpoint, self.stale_after_s
+                    )
+                    return
+                if out is grpc.aio.EOF:
+                    return
+                if not self.connected:
+                    self.mark_up()
+                    logger.info("connected to scheduler %s", endpoint)
+                    self.events.on_scheduler_connected(self)
+                self._dispatch(out)
         finally:
+            call.cancel()
             self._channel = None
-            await channel.close()
 
     def _dispatch(self, out: scheduler_pb2.SchedulerOutput) -> None:
         kind = out.WhichOneof("msg")
@@ -219,10 +168,7 @@ class SchedulerConnection:
         if fut is not None and not fut.done():
             fut.set_result(out)
 
-    def _set_down(self, reason: str) -> None:
-        was_up = self.connected
-        self.connected = False
-        self._up.clear()
+    def on_down(self, reason: str, was_up: bool) -> None:
         self._queue = None
         for fut in list(self._pending.values()):
             if not fut.done():
@@ -238,7 +184,7 @@ class SchedulerConnection:
 
 
 class SchedulerPool:
-    """The schedulers of an address list; re-resolves it every RESOLVE_INTERVAL_S. Every
+    """The schedulers of an address list (a PeerSet: re-resolved every RESOLVE_INTERVAL_S). Every
     connection dials through `dialer` (plaintext by default)."""
 
     def __init__(
@@ -250,73 +196,46 @@ class SchedulerPool:
         stale_after_s: float = STALE_AFTER_S,
         dialer: Optional[Dialer] = None,
     ) -> None:
-        self.addresses = list(addresses)
         self.dialer = dialer or Dialer()
         self.origin = origin
         self.events = events
-        self.resolve_interval_s = resolve_interval_s
         self.stale_after_s = stale_after_s
-        self.connections: list[SchedulerConnection] = []
-        self._task: Optional[asyncio.Task] = None
-        self._changed = asyncio.Event()
-
-    async def start(self) -> None:
-        await self._refresh()
-        self._task = asyncio.create_task(
-            refresh_forever(self.resolve_interval_s, self._refresh, "scheduler"), name="scheduler-resolve"
+        self._peers: PeerSet[SchedulerConnection] = PeerSet(
+            addresses, self.dialer, self._connection, "scheduler", resolve_interval_s,
+            on_change=self._renumber,
         )
 
+    def _connection(self, endpoint: str) -> SchedulerConnection:
+        return SchedulerConnection(
+            0, endpoint, self.origin, self.events, self.stale_after_s, self.dialer
+        )
+
+    @staticmethod
+    def _renumber(connections: list[SchedulerConnection]) -> None:
+        for i, conn in enumerate(connections):
+            conn.index = i
+
+    @property
+    def connections(self) -> list[SchedulerConnection]:
+        """In resolved order; each connection's index is its position here."""
+        return self._peers.peers
+
+    async def start(self) -> None:
+        await self._peers.refresh()
+        self._peers.start()
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*(c.close() for c in self.connections), return_exceptions=True)
+        await self._peers.close()
 
     def __len__(self) -> int:
-        return len(self.connections)
+        return len(self._peers.peers)
 
     def get(self, index: int) -> Optional[SchedulerConnection]:
-        return self.connections[index] if 0 <= index < len(self.connections) else None
+        conns = self.connections
+        return conns[index] if 0 <= index < len(conns) else None
 
     def connected(self) -> list[int]:
         return [c.index for c in self.connections if c.connected]
 
     async def wait_any_connected(self, timeout: float) -> bool:
-        if self.connected():
-            return True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not self.connected():
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            waits = [asyncio.create_task(c._up.wait()) for c in self.connections]
-            waits.append(asyncio.create_task(self._changed.wait()))
-            try:
-                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
-        return True
-
-    async def _refresh(self) -> None:
-        endpoints = await self.dialer.resolve(self.addresses)
-        current = {c.address: c for c in self.connections}
-        if list(current) == endpoints:
-            return
-        kept: list[SchedulerConnection] = []
-        for i, addr in enumerate(endpoints):
-            conn = current.pop(addr, None)
-            if conn is None:
-                conn = SchedulerConnection(
-                    i, addr, self.origin, self.events, self.stale_after_s, self.dialer
-                )
-                conn.start()
-            conn.index = i
-            kept.append(conn)
-        self.connections = kept
-        for gone in current.values():
-            logger.info("scheduler %s left the address list", gone.address)
-            await gone.close()
-        self._changed.set()
-        self._changed = asyncio.Event()
+        return await self._peers.wait_any_up(timeout)

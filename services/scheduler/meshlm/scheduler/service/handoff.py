@@ -16,42 +16,86 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import grpc
-from meshlm.common import addresses, protocol
-from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
+from meshlm.common import addresses
+from meshlm.common.addresses import Resolver
+from meshlm.common.channels import Dialer
+from meshlm.common.peer_stream import PeerSet, PeerStream
+from meshlm.common.tls import TlsConfig
 from meshlm.scheduler.managers.io_struct import PrefilledReq
 from meshlm.scheduler.service.handoff_wire import prefilled_to_proto
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
 RESOLVE_INTERVAL_S = 5.0
-Resolver = Callable[[str], Awaitable[list[str]]]
 ErrorCallback = Callable[[str, common_pb2.FinishReason], None]
 LostCallback = Callable[[list[str], str], None]
 DoneCallback = Callable[[list[str]], None]
 
 
-@dataclass
-class DecodeLink:
-    """One Connect stream to one decode endpoint. `rids`: handed over, not done yet."""
+class DecodeLink(PeerStream):
+    """One Connect stream to one decode endpoint. `rids`: handed over, not done yet; when the
+    stream goes down they are reported lost (on_lost) and forgotten."""
 
-    endpoint: str
-    queue: "asyncio.Queue[scheduler_pb2.SchedulerInput]" = field(default_factory=asyncio.Queue)
-    rids: set[str] = field(default_factory=set)
-    up: bool = False
-    load: Optional[common_pb2.SchedulerLoad] = None
-    task: Optional[asyncio.Task] = None
+    def __init__(
+        self,
+        endpoint: str,
+        scheduler_id: str,
+        dialer: Dialer,
+        connect_timeout_s: float,
+        on_output: Callable[[DecodeLink, scheduler_pb2.SchedulerOutput], None],
+        on_lost: LostCallback,
+    ) -> None:
+        super().__init__(
+            f"prefill/{scheduler_id}", "decode scheduler", dialer, endpoint=endpoint,
+            connect_timeout_s=connect_timeout_s,
+        )
+        self.queue: asyncio.Queue[scheduler_pb2.SchedulerInput] = asyncio.Queue()
+        self.rids: set[str] = set()
+        self.load: Optional[common_pb2.SchedulerLoad] = None
+        self._on_output = on_output
+        self._on_lost = on_lost
+
+    @property
+    def up(self) -> bool:
+        return self.connected
 
     def score(self) -> tuple[int, float]:
         return len(self.rids), (self.load.token_usage if self.load is not None else 0.0)
+
+    async def serve(self, channel: grpc.aio.Channel, endpoint: str) -> None:
+        hello = scheduler_pb2.SchedulerInput(hello=self.hello())
+
+        async def requests() -> AsyncIterator[scheduler_pb2.SchedulerInput]:
+            yield hello
+            while True:
+                yield await self.queue.get()
+
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Connect(requests())
+        try:
+            self.mark_up()
+            logger.info("decode scheduler %s connected", endpoint)
+            async for out in call:
+                self._on_output(self, out)
+            raise ConnectionError("closed by the decode scheduler")
+        finally:
+            call.cancel()
+
+    def on_down(self, reason: str, was_up: bool) -> None:
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        lost, self.rids = sorted(self.rids), set()
+        if lost:
+            why = (
+                f"the link to decode scheduler {self.endpoint} was closed (it left the address "
+                "list, or this scheduler stops)"
+                if self.closed
+                else f"decode scheduler {self.endpoint} went away before the request finished"
+            )
+            self._on_lost(lost, why)
 
 
 class DecodeHandoffClient:
@@ -68,45 +112,43 @@ class DecodeHandoffClient:
         connect_timeout_s: float = 2.0,
     ) -> None:
         self.scheduler_id = scheduler_id
-        self.addrs = list(addrs)
         self.on_error, self.on_lost, self.on_done = on_error, on_lost, on_done
-        self.tls = tls or PLAINTEXT
-        self._resolver = resolver
         self.connect_timeout_s = connect_timeout_s
-        self.links: dict[str, DecodeLink] = {}
-        self._names: dict[str, str] = {}
-        self._task: Optional[asyncio.Task] = None
-        self._up_event = asyncio.Event()
+        self.dialer = Dialer(tls, resolver)
+        self._peers: PeerSet[DecodeLink] = PeerSet(
+            addrs, self.dialer, self._link, "decode scheduler", RESOLVE_INTERVAL_S
+        )
+
+    def _link(self, endpoint: str) -> DecodeLink:
+        return DecodeLink(
+            endpoint, self.scheduler_id, self.dialer, self.connect_timeout_s,
+            self._on_output, self.on_lost,
+        )
+
+    @property
+    def links(self) -> dict[str, DecodeLink]:
+        return {link.endpoint or "": link for link in self._peers.peers}
 
     # ---- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.create_task(self._discover(), name="decode-discovery")
+        self._peers.start()
 
     async def wait_up(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._up_event.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await self._peers.wait_any_up(timeout)
 
     def any_up(self) -> bool:
-        return any(link.up for link in self.links.values())
+        return bool(self._peers.up())
 
     async def close(self) -> None:
-        tasks = [t for t in [self._task, *(link.task for link in self.links.values())] if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
-        self.links.clear()
+        await self._peers.close()
+        self._peers.peers = []
 
     # ---- requests -----------------------------------------------------------------------
-    def hand_over(self, msg: PrefilledReq, origin: str, trace: Optional[common_pb2.TraceContext]) -> Optional[str]:
+    def hand_over(
+        self, msg: PrefilledReq, origin: str, trace: Optional[common_pb2.TraceContext]
+    ) -> Optional[str]:
         """Queue msg on the least busy up link; its endpoint, or None when no link is up."""
-        up = [link for link in self.links.values() if link.up]
+        up = self._peers.up()
         if not up:
             return None
         link = min(up, key=DecodeLink.score)
@@ -117,83 +159,11 @@ class DecodeHandoffClient:
 
     def abort(self, rid: str, abort_all: bool, message: str) -> None:
         """Forward an abort to every link carrying a matching request (rid, or "<rid>_<i>")."""
-        for link in self.links.values():
+        for link in self._peers.peers:
             hits = [r for r in link.rids if abort_all or r == rid or r.startswith(rid + "_")]
             for r in hits:
-                link.queue.put_nowait(scheduler_pb2.SchedulerInput(abort=scheduler_pb2.AbortReq(rid=r, message=message)))
-
-    # ---- discovery and streams ----------------------------------------------------------
-    async def _endpoints(self) -> list[str]:
-        return await addresses.resolve_all(self.addrs, self._names, self._resolver)
-
-    async def _discover(self) -> None:
-        while True:
-            try:
-                endpoints = await self._endpoints()
-            except Exception:
-                logger.exception("cannot resolve decode scheduler addresses %s", self.addrs)
-                endpoints = list(self.links)
-            for ep in endpoints:
-                if ep not in self.links:
-                    link = DecodeLink(ep)
-                    link.task = asyncio.create_task(self._run(link), name=f"decode-link-{ep}")
-                    self.links[ep] = link
-            for ep in [e for e in self.links if e not in endpoints]:
-                link = self.links.pop(ep)
-                if link.task is not None:
-                    link.task.cancel()
-                self._lose(link, f"decode scheduler {ep} left the address list")
-            await asyncio.sleep(RESOLVE_INTERVAL_S)
-
-    async def _run(self, link: DecodeLink) -> None:
-        backoff = 0.05
-        while True:
-            served = await self._serve(link)
-            backoff = 0.05 if served else min(backoff * 2, 2.0)
-            await asyncio.sleep(backoff)
-
-    async def _serve(self, link: DecodeLink) -> bool:
-        """Run one Connect stream until it breaks; True if it was ever up."""
-        channel = aio_channel(link.endpoint, self.tls, CHANNEL_OPTIONS, self._names.get(link.endpoint))
-        was_up = False
-        try:
-            try:
-                await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
-            except (asyncio.TimeoutError, grpc.RpcError):
-                return False
-            hello = scheduler_pb2.SchedulerInput(hello=protocol.hello(f"prefill/{self.scheduler_id}"))
-
-            async def requests():  # type: ignore[no-untyped-def]
-                yield hello
-                while True:
-                    yield await link.queue.get()
-
-            call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Connect(requests())
-            link.up = was_up = True
-            self._up_event.set()
-            logger.info("decode scheduler %s connected", link.endpoint)
-            async for out in call:
-                self._on_output(link, out)
-            raise ConnectionError("closed by the decode scheduler")
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            if was_up:
-                logger.warning("decode scheduler %s stream failed: %s", link.endpoint, e)
-            return was_up
-        finally:
-            link.up = False
-            if not any(x.up for x in self.links.values()):
-                self._up_event.clear()
-            self._lose(link, f"decode scheduler {link.endpoint} went away before the request finished")
-            await channel.close(grace=None)
-
-    def _lose(self, link: DecodeLink, message: str) -> None:
-        while not link.queue.empty():
-            link.queue.get_nowait()
-        lost, link.rids = sorted(link.rids), set()
-        if lost:
-            self.on_lost(lost, message)
+                abort = scheduler_pb2.AbortReq(rid=r, message=message)
+                link.queue.put_nowait(scheduler_pb2.SchedulerInput(abort=abort))
 
     def _on_output(self, link: DecodeLink, out: scheduler_pb2.SchedulerOutput) -> None:
         kind = out.WhichOneof("msg")

@@ -1,10 +1,12 @@
-"""The gateway's side of TokenizerService: a pool of tokenizer channels and call helpers.
+"""The gateway's side of TokenizerService: a pool of tokenizer channels with one typed method
+per RPC (`embed`, `tokenize`, ..., `generate`, `abort_everywhere`).
 
 * Replicas come from `--tokenizer-addrs`; each address is re-resolved (a headless-service name gives
   one endpoint per pod). Requests go round robin over healthy endpoints (grpc.health.v1 checks in
   the background, and at once on a failure); a session id pins its requests to one endpoint.
-* With --tls-* flags the channels use TLS (mTLS with a CA), each endpoint's certificate checked
-  against the name it was resolved from.
+* Channels come from meshlm.common.channels.Dialer (the ring's channel options and message limit);
+  with --tls-* flags they use TLS (mTLS with a CA), each endpoint's certificate checked against the
+  name it was resolved from.
 * A call that fails with UNAVAILABLE before any output is retried on another endpoint.
 * gRPC status -> ServiceError (meshlm.common.errors), which the app renders as the HTTP error.
 * Cancellation: `cancel_on_disconnect` runs a call while watching the HTTP client; when the client

@@ -108,6 +108,7 @@ class DecodeAdmission:
             req.fill_ids = list(req.origin_input_ids)  # the KV received covers the prompt
         batch = self.memory.new_batch(reqs)
         fb = batch.prepare_for_extend()  # rows, slots and sampling rows; the forward is not run
+        assert fb.out_cache_loc is not None
         pool, start = self.memory.kv_pool, 0
         for req, kv in admitted:
             n = len(req.origin_input_ids)

@@ -90,7 +90,8 @@ class PrefillBatcher:
             if embed is not None and req.is_embedding != embed:
                 break  # one kind of forward per batch
             head = self._head(req)
-            if self.radix and adder.can_run_list and req.cache_protected_len < IN_BATCH_PREFIX_TOKENS and head in picked_heads:
+            short_match = req.cache_protected_len < IN_BATCH_PREFIX_TOKENS
+            if self.radix and adder.can_run_list and short_match and head in picked_heads:
                 continue
             res = adder.add_one_req(req)
             if adder.can_run_list and adder.can_run_list[-1] is req:

@@ -64,9 +64,11 @@ class Retractor:
             state.waiting_queue = retracted + state.waiting_queue
             total_out = sum(len(r.output_ids) for r in batch.reqs)
             total_max = sum(r.sampling_params.max_new_tokens or 0 for r in batch.reqs)
-            state.new_token_ratio = min(1.0, (total_out + RETRACT_DECODE_STEPS * len(batch.reqs)) / (total_max + 1))
+            needed = total_out + RETRACT_DECODE_STEPS * len(batch.reqs)
+            state.new_token_ratio = min(1.0, needed / (total_max + 1))
         else:
-            state.new_token_ratio = max(state.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            decayed = state.new_token_ratio - self.new_token_ratio_decay
+            state.new_token_ratio = max(decayed, self.min_new_token_ratio)
         if not batch.is_empty():
             batch.pending_fb = batch.prepare_for_decode()
 
@@ -87,7 +89,9 @@ class Retractor:
                 break
             victim = batch.reqs[order.pop()]
             if not order:  # even a lone request cannot grow: fail it rather than spin
-                victim.finished_reason = FinishReason.aborted("KV cache is too small for this request", AbortStatus.INTERNAL)
+                victim.finished_reason = FinishReason.aborted(
+                    "KV cache is too small for this request", AbortStatus.INTERNAL
+                )
                 tree_cache.cache_finished_req(victim)
                 self.output.stream_output([victim])
                 break

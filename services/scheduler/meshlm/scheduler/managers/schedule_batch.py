@@ -186,6 +186,7 @@ class ScheduleBatch:
         and `running` is left empty (the requests come back when this batch is merged)."""
         dec = running.prepare_for_decode()
         assert self.sampling_info is not None and running.sampling_info is not None
+        assert extend_fb.out_cache_loc is not None and dec.out_cache_loc is not None
         n = len(running.reqs)
         fb = ForwardBatch(
             forward_mode=ForwardMode.EXTEND,

@@ -1,16 +1,17 @@
 """Scheduler: the event loop of one scheduler (one per TP rank), as in SGLang's event_loop_normal.
 
-    loop:  recv_requests -> inputs.process_input_requests -> get_next_batch_to_run
-           -> run_batch -> output.process_batch_result_{prefill,decode,embedding} -> (idle: on_idle)
+    loop:  recv_requests -> parts.inputs.process_input_requests -> get_next_batch_to_run
+           -> run_batch -> parts.output.process_batch_result_{prefill,decode,embedding}
+           -> (idle: on_idle)
 
 get_next_batch_to_run: merge the last prefill batch into the running batch (minus the
 chunked request and finished ones); admit requests handed over by a prefill scheduler; a new
 prefill batch has priority; otherwise one decode step of the running batch, retracting
 requests when the KV pool cannot hold the next tokens.
 
-The Scheduler builds its parts, each given what it needs: SchedulerMemory (pools + prefix
-cache), SchedulerState (where each request is), InputHandler, PrefillBatcher, Retractor,
-OutputProcessor and the two disaggregation halves (PrefillHandoff, DecodeAdmission). All
+The Scheduler adds the model worker (TpModelWorker) and this loop to its parts
+(SchedulerParts: memory, state, input handling, prefill batching, retraction, output
+processing and the two disaggregation halves), each constructed with what it needs. All
 state is owned by the loop thread; the outside talks to it only through the port.
 
 Tensor parallelism: every rank runs this same Scheduler on its shard. Rank 0 owns the port;
@@ -31,22 +32,13 @@ from typing import Optional
 import torch
 
 from meshlm.scheduler.config import SchedulerConfig
-from meshlm.scheduler.disaggregation.decode import DecodeAdmission
-from meshlm.scheduler.disaggregation.prefill import PrefillHandoff
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.distributed.parallel_state import broadcast_pyobj
-from meshlm.scheduler.managers.input_handler import InputHandler
 from meshlm.scheduler.managers.io_struct import InputMessage, OpenSessionReq
-from meshlm.scheduler.managers.output_processor import OutputProcessor
 from meshlm.scheduler.managers.port import SchedulerPort
-from meshlm.scheduler.managers.prefill_batcher import PrefillBatcher
-from meshlm.scheduler.managers.request_checks import RequestValidator
-from meshlm.scheduler.managers.retraction import Retractor, initial_new_token_ratio
 from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
 from meshlm.scheduler.managers.scheduler_memory import SchedulerMemory
-from meshlm.scheduler.managers.scheduler_state import SchedulerState
-from meshlm.scheduler.managers.scheduler_stats import SchedulerStats
-from meshlm.scheduler.managers.session_controller import SessionController
+from meshlm.scheduler.managers.scheduler_parts import SchedulerParts
 from meshlm.scheduler.managers.tokenizer_protocol import Tokenizer
 from meshlm.scheduler.managers.tp_worker import TpModelWorker
 from meshlm.scheduler.model_config import ModelConfig
@@ -70,28 +62,11 @@ class Scheduler:
         self.config, self.model_config, self.port = config, model_config, port
         self.tp, self.tp_cpu_group = tp, tp_cpu_group
         self.tp_worker = TpModelWorker(model_config, config, tp)
-        self.memory = memory = SchedulerMemory.from_runner(self.tp_worker.model_runner, config, model_config.vocab_size)
+        memory = SchedulerMemory.from_runner(self.tp_worker.model_runner, config, model_config.vocab_size)
+        self.parts = SchedulerParts.build(config, model_config, tokenizer, port, memory)
+        self.memory, self.state, self.stats = memory, self.parts.state, self.parts.stats
+        self.max_req_len = self.parts.max_req_len
         self.max_total_num_tokens = memory.max_total_num_tokens
-        # A request's prompt + outputs must fit both the context and the whole KV pool.
-        self.max_req_len = min(model_config.context_len, memory.max_total_num_tokens) - 1
-        self.state = state = SchedulerState(
-            running_batch=memory.new_batch([]),
-            new_token_ratio=initial_new_token_ratio(config.schedule_conservativeness),
-        )
-        self.stats = stats = SchedulerStats()
-        validator = RequestValidator(model_config, tokenizer, self.max_req_len)
-        mode = config.disaggregation_mode
-        self.handoff = PrefillHandoff(mode == "prefill", memory, port)
-        self.output = output = OutputProcessor(tokenizer, memory.tree_cache, port, config.stream_interval, self.handoff)
-        self.decode_side = DecodeAdmission(mode == "prefill", config.page_size, validator, memory, state, output)
-        self.inputs = InputHandler(
-            port=port, is_embedding_model=model_config.is_embedding,
-            max_queued_requests=config.max_queued_requests, validator=validator,
-            sessions=SessionController(self.max_req_len, tokenizer), state=state, memory=memory,
-            output=output, decode_side=self.decode_side, stats=stats,
-        )
-        self.prefill = PrefillBatcher(config, memory, state, stats)
-        self.retractor = Retractor(config.schedule_conservativeness, memory, state, output, stats)
         self._stop = threading.Event()
 
     # ---- the loop -------------------------------------------------------------------------
@@ -105,7 +80,7 @@ class Scheduler:
                 msgs, stop = self.recv_requests(block=idle)
                 if stop:
                     return
-                self.inputs.process_input_requests(msgs)
+                self.parts.inputs.process_input_requests(msgs)
                 self.step()
 
     def recv_requests(self, block: bool) -> tuple[list[InputMessage], bool]:
@@ -158,12 +133,12 @@ class Scheduler:
                 last.sampling_reqs = [last.sampling_reqs[i] for i in keep]
             state.running_batch.merge_batch(last)
         if state.transfer_queue:
-            self.decode_side.admit_transferred()
-        new_batch = self.prefill.get_new_batch_prefill()
+            self.parts.decode_side.admit_transferred()
+        new_batch = self.parts.prefill.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
         if not state.running_batch.is_empty():
-            self.retractor.update_running_batch(state.running_batch)
+            self.parts.retractor.update_running_batch(state.running_batch)
             if not state.running_batch.is_empty():
                 return state.running_batch
         return None
@@ -178,18 +153,18 @@ class Scheduler:
         if batch.forward_mode is ForwardMode.EMBED:
             t0 = time.perf_counter()
             embeddings = self.tp_worker.forward_batch_embedding(fb)
-            self.output.process_batch_result_embedding(batch, embeddings)
+            self.parts.output.process_batch_result_embedding(batch, embeddings)
             return time.perf_counter() - t0
         result = self.tp_worker.forward_batch_generation(batch, fb)
         if batch.forward_mode is ForwardMode.DECODE:
-            self.output.process_batch_result_decode(batch, result)
+            self.parts.output.process_batch_result_decode(batch, result)
         else:
-            self.output.process_batch_result_prefill(batch, fb, result)
+            self.parts.output.process_batch_result_prefill(batch, fb, result)
         return result.forward_seconds
 
     def on_idle(self) -> None:
         """Nothing ran this iteration: reset the decode reserve; with nothing queued, check
         that every KV slot and row came back."""
-        self.retractor.reset_new_token_ratio()
+        self.parts.retractor.reset_new_token_ratio()
         if self.state.nothing_queued():
             self.memory.check_idle()

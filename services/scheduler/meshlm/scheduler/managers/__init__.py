@@ -1,6 +1,7 @@
 """The scheduler loop and its parts (SGLang's managers/).
 
-    scheduler.py          Scheduler: builds the parts; event_loop_normal, get_next_batch_to_run, run_batch
+    scheduler.py          Scheduler: the loop (event_loop_normal, get_next_batch_to_run, run_batch)
+    scheduler_parts.py    SchedulerParts: each part below, constructed with what it needs
     scheduler_state.py    SchedulerState: waiting queue, running batch, chunked req, last batch
     scheduler_memory.py   SchedulerMemory: request rows, KV pool, allocator, prefix cache
     input_handler.py      InputHandler: requests, aborts, sessions, flush, load reports

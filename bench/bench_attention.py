@@ -27,8 +27,9 @@ from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenP
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 
-def build(lens: list[int], decoded: int, layers: int, heads: int, kv_heads: int, dim: int,
-          dtype: torch.dtype) -> tuple[ForwardBatch, list[RadixAttention]]:
+def build(
+    lens: list[int], decoded: int, layers: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> tuple[ForwardBatch, list[RadixAttention]]:
     """A decode batch whose request i has lens[i] tokens: the first lens[i] - decoded contiguous
     (its prompt), the last `decoded` interleaved with the other requests' decode tokens."""
     total = sum(lens)
@@ -47,11 +48,16 @@ def build(lens: list[int], decoded: int, layers: int, heads: int, kv_heads: int,
             nxt += 1
     b = len(lens)
     fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=torch.zeros(b, dtype=torch.int64),
-        positions=torch.tensor(lens) - 1, seq_lens=torch.tensor(lens),
+        forward_mode=ForwardMode.DECODE,
+        batch_size=b,
+        input_ids=torch.zeros(b, dtype=torch.int64),
+        positions=torch.tensor(lens) - 1,
+        seq_lens=torch.tensor(lens),
         req_pool_indices=torch.arange(1, b + 1),
         out_cache_loc=torch.tensor([int(table.req_to_token[i + 1, n - 1]) for i, n in enumerate(lens)]),
-        seq_lens_cpu=list(lens), req_to_token_pool=table, token_to_kv_pool=pool,
+        seq_lens_cpu=list(lens),
+        req_to_token_pool=table,
+        token_to_kv_pool=pool,
     )
     return fb, [RadixAttention(heads, dim, dim**-0.5, kv_heads, layer) for layer in range(layers)]
 
@@ -90,17 +96,21 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     cpu, ref = CpuAttnBackend(load_decode_kernel()), TorchNativeAttnBackend()
     elem = torch.empty(0, dtype=dtype).element_size()
-    print(f"decode attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
-          f"{args.dtype}, threads {args.threads}")
+    print(
+        f"decode attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
+        f"{args.dtype}, threads {args.threads}"
+    )
     print(f"{'batch':>6} {'context':>10} {'torch ms/layer':>15} {'cpu ms/layer':>13} {'cpu GB/s':>9} {'ratio':>7}")
     cases = [(b, [c] * b, str(c)) for b in args.batch for c in args.context]
     if args.mixed:
         g = torch.Generator().manual_seed(0)
-        cases += [(b, torch.randint(32, c + 1, (b,), generator=g).tolist(), f"U[32,{c}]")
-                  for b in args.batch for c in args.context]
+        cases += [
+            (b, torch.randint(32, c + 1, (b,), generator=g).tolist(), f"U[32,{c}]")
+            for b in args.batch
+            for c in args.context
+        ]
     for b, lens, label in cases:
-        fb, attn = build(lens, min(64, min(lens) - 1), args.layers, args.heads, args.kv_heads,
-                         args.head_dim, dtype)
+        fb, attn = build(lens, min(64, min(lens) - 1), args.layers, args.heads, args.kv_heads, args.head_dim, dtype)
         t_ref = time_step(ref, fb, attn, args.repeats)
         t_cpu = time_step(cpu, fb, attn, args.repeats)
         gbs = 2 * sum(lens) * args.kv_heads * args.head_dim * elem / t_cpu / 1e9

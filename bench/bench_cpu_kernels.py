@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-
 from typing import Any
 
 import torch
@@ -37,16 +36,34 @@ def decode_batch(runner: ModelRunner, b: int, ctx: int) -> ForwardBatch:
     table = runner.req_to_token_pool.req_to_token
     rows = torch.arange(b)
     ids = torch.randint(100, 4000, (b,), generator=torch.Generator().manual_seed(b))
-    return ForwardBatch(ForwardMode.DECODE, b, ids, torch.full((b,), ctx), torch.full((b,), ctx + 1), rows,
-                        table[rows, ctx].clone(), seq_lens_cpu=[ctx + 1] * b)
+    return ForwardBatch(
+        ForwardMode.DECODE,
+        b,
+        ids,
+        torch.full((b,), ctx),
+        torch.full((b,), ctx + 1),
+        rows,
+        table[rows, ctx].clone(),
+        seq_lens_cpu=[ctx + 1] * b,
+    )
 
 
 def prefill_batch(runner: ModelRunner, n: int) -> ForwardBatch:
     """One request of n fresh tokens in row 0."""
     table = runner.req_to_token_pool.req_to_token
     ids = torch.randint(100, 4000, (n,), generator=torch.Generator().manual_seed(n))
-    return ForwardBatch(ForwardMode.EXTEND, 1, ids, torch.arange(n), torch.tensor([n]), torch.tensor([0]),
-                        table[0, :n].clone(), seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n])
+    return ForwardBatch(
+        ForwardMode.EXTEND,
+        1,
+        ids,
+        torch.arange(n),
+        torch.tensor([n]),
+        torch.tensor([0]),
+        table[0, :n].clone(),
+        seq_lens_cpu=[n],
+        extend_prefix_lens_cpu=[0],
+        extend_seq_lens_cpu=[n],
+    )
 
 
 def linears_ms(runner: ModelRunner, rows: int, repeats: int) -> float:
@@ -85,22 +102,30 @@ def main() -> None:
     mc = ModelConfig.from_path(path)
     slots = max(max(batches) * (args.context + 4), args.prefill) + 64
     runners = {
-        mode: ModelRunner(mc, SchedulerConfig(model_path=str(path), dtype="float32", fused_ops=mode,
-                                              max_total_tokens=slots, load_progress=False))
+        mode: ModelRunner(
+            mc,
+            SchedulerConfig(
+                model_path=str(path), dtype="float32", fused_ops=mode, max_total_tokens=slots, load_progress=False
+            ),
+        )
         for mode in ("torch", "auto")
     }
     for r in runners.values():  # request b's tokens in slots b*(ctx+4) + [0, ctx]
         table = r.req_to_token_pool.req_to_token
         for b in range(max(batches)):
-            table[b, : args.context + 1] = torch.arange(b * (args.context + 4), b * (args.context + 4) + args.context + 1)
+            table[b, : args.context + 1] = torch.arange(
+                b * (args.context + 4), b * (args.context + 4) + args.context + 1
+            )
         if args.prefill:
             table[0, : args.prefill] = torch.arange(args.prefill)
     cases = [(f"decode b={b} ctx={args.context}", lambda r, b=b: decode_batch(r, b, args.context)) for b in batches]
     if args.prefill:
         cases.append((f"prefill {args.prefill} tokens", lambda r: prefill_batch(r, args.prefill)))
     print(f"threads={torch.get_num_threads()}, float32, {path.name}")
-    print(f"{'shape':28s} {'torch ms':>9s} {'auto ms':>9s} {'auto/torch':>10s} {'max|dlogit|':>11s} {'argmax':>7s}"
-          f" {'linears ms':>10s} {'auto/linears':>12s}")
+    print(
+        f"{'shape':28s} {'torch ms':>9s} {'auto ms':>9s} {'auto/torch':>10s} {'max|dlogit|':>11s} {'argmax':>7s}"
+        f" {'linears ms':>10s} {'auto/linears':>12s}"
+    )
     for name, make in cases:
         logits = {m: r.forward(make(r)).next_token_logits for m, r in runners.items()}
         times: dict[str, list[float]] = {m: [] for m in runners}
@@ -117,8 +142,11 @@ def main() -> None:
         if name.startswith("decode"):
             ms = linears_ms(runners["auto"], int(name.split("b=")[1].split()[0]), args.repeats)
             lin = f" {ms:10.1f} {med['auto'] / ms:12.2f}"
-        print(f"{name:28s} {med['torch']:9.1f} {med['auto']:9.1f} {med['auto'] / med['torch']:10.2f} "
-              f"{diff:11.2e} {agree:7.0%}{lin}", flush=True)
+        print(
+            f"{name:28s} {med['torch']:9.1f} {med['auto']:9.1f} {med['auto'] / med['torch']:10.2f} "
+            f"{diff:11.2e} {agree:7.0%}{lin}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main() -> None:
     path = resolve_model_path(args.model_path)
     weights = []
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a dict: keys() is its listing
             if ".layers." in name and name.endswith("proj.weight"):
                 weights.append(f.get_tensor(name).float())
     onednn = [PackedLinear(w, None) for w in weights]
@@ -68,8 +68,11 @@ def main() -> None:
                         ops.gemv(xs[g.in_features], g, None)
                     times[fmt].append(time.perf_counter() - t0)
         med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
-        print(f"{rows:4d} {med['onednn']:10.1f}"
-              + "".join(f" {med[f]:9.1f} {med[f] / med['onednn']:12.2f}" for f in gemvs), flush=True)
+        print(
+            f"{rows:4d} {med['onednn']:10.1f}"
+            + "".join(f" {med[f]:9.1f} {med[f] / med['onednn']:12.2f}" for f in gemvs),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -47,32 +47,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 16 prompts, (a) 128 in x 32 out, (b) in 32-256 / out 16-64, "
-                        "HF batch sizes 8,16")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts per workload (default 64, quick 16)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the prompts and lengths (default 0)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of both systems (default float32)")
-    p.add_argument("--hf-batch-sizes", default=None,
-                   help="comma-separated HF static batch sizes (default 8,16,32,64; quick 8,16)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 16 prompts, (a) 128 in x 32 out, (b) in 32-256 / out 16-64, HF batch sizes 8,16",
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per workload (default 64, quick 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default 0)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of both systems (default float32)",
+    )
+    p.add_argument(
+        "--hf-batch-sizes", default=None, help="comma-separated HF static batch sizes (default 8,16,32,64; quick 8,16)"
+    )
     p.add_argument("--workload", default="both", choices=("a", "b", "both"))
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="engine KV pool in tokens (default: sum of input+output over the workload "
-                        "+ 2048)")
-    p.add_argument("--max-running-requests", type=int, default=None,
-                   help="engine max running requests (default max(64, num prompts))")
-    p.add_argument("--model-path", default=None,
-                   help="HF dir or .gguf (default: packaged SmolLM2-135M)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="device of both systems (default auto: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads in every worker (default: torch's; "
-                        "1 on a busy machine)")
-    p.add_argument("--systems", default="ours,hf",
-                   help="which systems to run: ours,hf (default both)")
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="engine KV pool in tokens (default: sum of input+output over the workload + 2048)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="engine max running requests (default max(64, num prompts))",
+    )
+    p.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="device of both systems (default auto: cuda if available, else cpu)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads in every worker (default: torch's; 1 on a busy machine)",
+    )
+    p.add_argument("--systems", default="ours,hf", help="which systems to run: ours,hf (default both)")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
     # internal: run one measurement in this process
     p.add_argument("--_worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -99,29 +116,35 @@ def make_workloads(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]
 
     if args.workload in ("a", "both"):
         rng = random.Random(f"a-{args.seed}")
-        out.append({
-            "name": "a", "desc": f"{n} prompts x {args.a_in} in x {args.a_out} out",
-            "prompts": [ids(rng, args.a_in) for _ in range(n)], "output_lens": [args.a_out] * n,
-        })
+        out.append(
+            {
+                "name": "a",
+                "desc": f"{n} prompts x {args.a_in} in x {args.a_out} out",
+                "prompts": [ids(rng, args.a_in) for _ in range(n)],
+                "output_lens": [args.a_out] * n,
+            }
+        )
     if args.workload in ("b", "both"):
         rng = random.Random(f"b-{args.seed}")
         in_lens = [rng.randint(*args.b_in) for _ in range(n)]
         out_lens = [rng.randint(*args.b_out) for _ in range(n)]
-        out.append({
-            "name": "b",
-            "desc": f"{n} prompts, in U[{args.b_in[0]},{args.b_in[1]}] "
-                    f"(mean {sum(in_lens) / n:.0f}), out U[{args.b_out[0]},{args.b_out[1]}] "
-                    f"(mean {sum(out_lens) / n:.0f})",
-            "prompts": [ids(rng, k) for k in in_lens], "output_lens": out_lens,
-        })
+        out.append(
+            {
+                "name": "b",
+                "desc": f"{n} prompts, in U[{args.b_in[0]},{args.b_in[1]}] "
+                f"(mean {sum(in_lens) / n:.0f}), out U[{args.b_out[0]},{args.b_out[1]}] "
+                f"(mean {sum(out_lens) / n:.0f})",
+                "prompts": [ids(rng, k) for k in in_lens],
+                "output_lens": out_lens,
+            }
+        )
     return out
 
 
 def warmup_prompts(seed: int, vocab: int, count: int, length: int) -> list[list[int]]:
     """Distinct from every timed prompt's stream, so the radix cache gives the timed run nothing."""
     rng = random.Random(f"warmup-{seed}")
-    return [[rng.randrange(TOKEN_LO, vocab - TOKEN_LO) for _ in range(length)]
-            for _ in range(count)]
+    return [[rng.randrange(TOKEN_LO, vocab - TOKEN_LO) for _ in range(length)] for _ in range(count)]
 
 
 # ---- workers (each in its own process) ---------------------------------------------------------
@@ -146,8 +169,7 @@ def _cpu_delta(c0: tuple[float, float], elapsed: float) -> dict[str, float]:
     """Cores this process kept busy, and cores other processes took, over the timed phase."""
     c1 = _cpu_s()
     own, machine = c1[0] - c0[0], c1[1] - c0[1]
-    return {"cpu_s": own, "own_cores": own / elapsed,
-            "other_cores": max(machine - own, 0.0) / elapsed}
+    return {"cpu_s": own, "own_cores": own / elapsed, "other_cores": max(machine - own, 0.0) / elapsed}
 
 
 def _peak_rss_mib() -> float:
@@ -167,8 +189,10 @@ def _gpu_stats(device) -> dict[str, Any]:
 
     if device.type != "cuda":
         return {}
-    return {"peak_gpu_mib": torch.cuda.max_memory_allocated(device) / (1 << 20),
-            "gpu_name": torch.cuda.get_device_name(device)}
+    return {
+        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / (1 << 20),
+        "gpu_name": torch.cuda.get_device_name(device),
+    }
 
 
 def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
@@ -177,13 +201,17 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     prompts, out_lens = spec["prompts"], spec["output_lens"]
     t_load = time.perf_counter()
     engine = Engine(
-        model_path=spec["model_path"], dtype=spec["dtype"], device=spec.get("device", "auto"),
+        model_path=spec["model_path"],
+        dtype=spec["dtype"],
+        device=spec.get("device", "auto"),
         max_total_tokens=spec["max_total_tokens"],
         max_running_requests=spec["max_running_requests"],
-        random_seed=spec["seed"], load_progress=False,
+        random_seed=spec["seed"],
+        load_progress=False,
     )
     load_s = time.perf_counter() - t_load
     try:
+
         def req(ids: list[int], n: int) -> dict[str, Any]:
             sp = {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
             return {"input_ids": ids, "sampling_params": sp}
@@ -203,8 +231,15 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         rss_before = _rss_mib()
 
         st = engine.scheduler.stats
-        keys = ("decode_steps", "decode_forward_s", "decode_step_s", "generation_tokens",
-                "num_retracted", "prompt_tokens", "cached_tokens")
+        keys = (
+            "decode_steps",
+            "decode_forward_s",
+            "decode_step_s",
+            "generation_tokens",
+            "num_retracted",
+            "prompt_tokens",
+            "cached_tokens",
+        )
         s0 = {k: getattr(st, k) for k in keys}
         c0, t0 = _cpu_s(), time.perf_counter()
         results = engine.generate_batch_sync([req(p, n) for p, n in zip(prompts, out_lens)])
@@ -221,16 +256,24 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"engine produced wrong output lengths (idx, got, want): {bad[:5]}")
         runner = engine.scheduler.tp_worker.model_runner
         return {
-            "system": "ours", "device": str(runner.device), **_gpu_stats(runner.device),
-            "elapsed_s": elapsed, **cpu, "useful_tokens": sum(out_lens),
+            "system": "ours",
+            "device": str(runner.device),
+            **_gpu_stats(runner.device),
+            "elapsed_s": elapsed,
+            **cpu,
+            "useful_tokens": sum(out_lens),
             "load_s": load_s,
-            "decode_steps": d["decode_steps"], "decode_forward_s": d["decode_forward_s"],
-            "decode_step_s": d["decode_step_s"], "decode_tokens": d["generation_tokens"],
-            "num_retracted": d["num_retracted"], "cached_tokens": d["cached_tokens"],
+            "decode_steps": d["decode_steps"],
+            "decode_forward_s": d["decode_forward_s"],
+            "decode_step_s": d["decode_step_s"],
+            "decode_tokens": d["generation_tokens"],
+            "num_retracted": d["num_retracted"],
+            "cached_tokens": d["cached_tokens"],
             "kv_pool_gib": runner.memory_report()["kv_pool_gib"],
             "max_total_tokens": runner.max_total_num_tokens,
             "max_running_requests": runner.max_running_requests,
-            "rss_before_mib": rss_before, "peak_rss_mib": _peak_rss_mib(),
+            "rss_before_mib": rss_before,
+            "peak_rss_mib": _peak_rss_mib(),
         }
     finally:
         engine.shutdown()
@@ -265,12 +308,17 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+                use_cache=True,
             )
         made = out.shape[1] - width
         if made != new:
@@ -286,19 +334,27 @@ def worker_hf(spec: dict[str, Any]) -> dict[str, Any]:
     generated = 0
     c0, t0 = _cpu_s(), time.perf_counter()
     for s in range(0, len(prompts), bs):
-        generated += run_batch(prompts[s:s + bs], max(out_lens[s:s + bs]))
+        generated += run_batch(prompts[s : s + bs], max(out_lens[s : s + bs]))
     _sync(device)
     elapsed = time.perf_counter() - t0
     cpu = _cpu_delta(c0, elapsed)
-    batches = [prompts[s:s + bs] for s in range(0, len(prompts), bs)]
+    batches = [prompts[s : s + bs] for s in range(0, len(prompts), bs)]
     padded_in = sum(max(len(p) for p in b) * len(b) for b in batches)
     return {
-        "system": "hf", "device": str(device), **_gpu_stats(device),
-        "batch_size": bs, "elapsed_s": elapsed, **cpu,
-        "useful_tokens": sum(out_lens), "load_s": load_s, "generated_tokens": generated,
-        "input_tokens": sum(len(p) for p in prompts), "padded_input_tokens": padded_in,
+        "system": "hf",
+        "device": str(device),
+        **_gpu_stats(device),
+        "batch_size": bs,
+        "elapsed_s": elapsed,
+        **cpu,
+        "useful_tokens": sum(out_lens),
+        "load_s": load_s,
+        "generated_tokens": generated,
+        "input_tokens": sum(len(p) for p in prompts),
+        "padded_input_tokens": padded_in,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "rss_before_mib": rss_before, "peak_rss_mib": _peak_rss_mib(),
+        "rss_before_mib": rss_before,
+        "peak_rss_mib": _peak_rss_mib(),
     }
 
 
@@ -326,7 +382,10 @@ def launch(spec: dict[str, Any], tmp: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--_worker", spec_path, out_path],
-        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        check=False,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     if proc.returncode != 0 or not os.path.exists(out_path):
         sys.stdout.write(proc.stdout[-4000:])
@@ -360,30 +419,43 @@ def main() -> None:
     device = resolve_device(args.device)
     if device.type == "cuda":
         print(f"device cuda: {torch.cuda.get_device_name(device)}  (CUDA {torch.version.cuda})")
-    print(f"model {path}  dtype {args.dtype}  torch {torch.__version__}  "
-          f"threads {args.threads or torch.get_num_threads()}  cpus {os.cpu_count()}  "
-          f"load avg {load1:.2f}")
-    print(f"seed {args.seed}  HF batch sizes {args.hf_batch_sizes}  "
-          "(each measurement in a fresh subprocess)\n", flush=True)
+    print(
+        f"model {path}  dtype {args.dtype}  torch {torch.__version__}  "
+        f"threads {args.threads or torch.get_num_threads()}  cpus {os.cpu_count()}  "
+        f"load avg {load1:.2f}"
+    )
+    print(
+        f"seed {args.seed}  HF batch sizes {args.hf_batch_sizes}  (each measurement in a fresh subprocess)\n",
+        flush=True,
+    )
 
-    base = {"model_path": args.model_path, "dtype": args.dtype, "seed": args.seed, "vocab": vocab,
-            "threads": args.threads, "device": args.device}
+    base = {
+        "model_path": args.model_path,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "vocab": vocab,
+        "threads": args.threads,
+        "device": args.device,
+    }
     all_res: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_offline_") as tmp:
         for wl in workloads:
             name = wl["name"]
             need = sum(len(p) + n for p, n in zip(wl["prompts"], wl["output_lens"]))
-            spec = {**base, "workload": name, "prompts": wl["prompts"],
-                    "output_lens": wl["output_lens"]}
+            spec = {**base, "workload": name, "prompts": wl["prompts"], "output_lens": wl["output_lens"]}
             res: dict[str, Any] = {"desc": wl["desc"], "hf": []}
             all_res[name] = res
             if "ours" in args.systems:
-                r = launch({
-                    **spec, "system": "ours",
-                    "max_total_tokens": args.max_total_tokens or need + 2048,
-                    "max_running_requests": args.max_running_requests or max(64, args.num_prompts),
-                }, tmp)
+                r = launch(
+                    {
+                        **spec,
+                        "system": "ours",
+                        "max_total_tokens": args.max_total_tokens or need + 2048,
+                        "max_running_requests": args.max_running_requests or max(64, args.num_prompts),
+                    },
+                    tmp,
+                )
                 res["ours"] = r
                 progress(f"[{name}] ours     ", r, args, all_res)
             if "hf" in args.systems:
@@ -404,17 +476,21 @@ def save(args: argparse.Namespace, all_res: dict[str, dict[str, Any]]) -> None:
             json.dump({"args": kept, "results": all_res}, f, indent=1)
 
 
-def progress(label: str, r: dict[str, Any], args: argparse.Namespace,
-             all_res: dict[str, dict[str, Any]]) -> None:
+def progress(label: str, r: dict[str, Any], args: argparse.Namespace, all_res: dict[str, dict[str, Any]]) -> None:
     extra = ""
     if r.get("decode_steps"):
-        extra = (f", decode ovhd {(1 - r['decode_forward_s'] / r['decode_step_s']) * 100:.1f}% "
-                 f"mean bs {r['decode_tokens'] / r['decode_steps']:.1f}")
+        extra = (
+            f", decode ovhd {(1 - r['decode_forward_s'] / r['decode_step_s']) * 100:.1f}% "
+            f"mean bs {r['decode_tokens'] / r['decode_steps']:.1f}"
+        )
     if "peak_gpu_mib" in r:
         extra += f", peak GPU mem {r['peak_gpu_mib']:.0f} MiB"
-    print(f"{label} {r['tps']:8.1f} tok/s  ({r['elapsed_s']:.1f}s, peak RSS "
-          f"{r['peak_rss_mib']:.0f} MiB, cores own {r['own_cores']:.2f} "
-          f"others {r['other_cores']:.2f}{extra})", flush=True)
+    print(
+        f"{label} {r['tps']:8.1f} tok/s  ({r['elapsed_s']:.1f}s, peak RSS "
+        f"{r['peak_rss_mib']:.0f} MiB, cores own {r['own_cores']:.2f} "
+        f"others {r['other_cores']:.2f}{extra})",
+        flush=True,
+    )
     save(args, all_res)
 
 
@@ -423,8 +499,11 @@ def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s
     summary: list[list[str]] = []
     for name, res in all_res.items():
         print(f"\n=== workload ({name}): {res['desc']}, ignore_eos, dtype {args.dtype} ===")
-        print(fmt_row(["system", "useful", "wall s", "tok/s", "vs HF-best", "peak RSS",
-                       "RSS@start", "cores", "others"], w))
+        print(
+            fmt_row(
+                ["system", "useful", "wall s", "tok/s", "vs HF-best", "peak RSS", "RSS@start", "cores", "others"], w
+            )
+        )
         print(fmt_row(["", "out tok", "", "", "", "MiB", "MiB", "own", "cores"], w))
         hf = res["hf"]
         best = max(hf, key=lambda r: r["tps"]) if hf else None
@@ -433,17 +512,31 @@ def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s
         rows += [(f"HF generate bs={r['batch_size']}", r) for r in hf]
         for label, r in rows:
             rel = f"{r['tps'] / best['tps']:.2f}x" if best else "-"
-            print(fmt_row([label, str(r["useful_tokens"]), f"{r['elapsed_s']:.1f}",
-                           f"{r['tps']:.1f}", rel, f"{r['peak_rss_mib']:.0f}",
-                           f"{r['rss_before_mib']:.0f}",
-                           f"{r['own_cores']:.2f}", f"{r['other_cores']:.2f}"], w))
+            print(
+                fmt_row(
+                    [
+                        label,
+                        str(r["useful_tokens"]),
+                        f"{r['elapsed_s']:.1f}",
+                        f"{r['tps']:.1f}",
+                        rel,
+                        f"{r['peak_rss_mib']:.0f}",
+                        f"{r['rss_before_mib']:.0f}",
+                        f"{r['own_cores']:.2f}",
+                        f"{r['other_cores']:.2f}",
+                    ],
+                    w,
+                )
+            )
         for r in hf:
             gen, useful = r["generated_tokens"], r["useful_tokens"]
             pad_in, real_in = r["padded_input_tokens"], r["input_tokens"]
             if gen != useful or pad_in != real_in:
-                print(f"  HF bs={r['batch_size']}: generated {gen} tokens for {useful} useful "
-                      f"({gen / useful:.2f}x), prefilled {pad_in} padded tokens for {real_in} "
-                      f"real ({pad_in / real_in:.2f}x)")
+                print(
+                    f"  HF bs={r['batch_size']}: generated {gen} tokens for {useful} useful "
+                    f"({gen / useful:.2f}x), prefilled {pad_in} padded tokens for {real_in} "
+                    f"real ({pad_in / real_in:.2f}x)"
+                )
         if hf:
             print(f"  HF attention implementation: {hf[0]['attn_implementation']}")
         ratio = ours["tps"] / best["tps"] if ours and best else None
@@ -454,58 +547,85 @@ def report(args: argparse.Namespace, all_res: dict[str, dict[str, Any]], total_s
                 mean_bs = ours["decode_tokens"] / ours["decode_steps"]
                 per_step = ours["decode_step_s"] / ours["decode_steps"]
                 outside_ms = per_step * overhead * 1e3
-                print(f"  ours: {ours['decode_steps']} decode steps, mean decode batch "
-                      f"{mean_bs:.1f}, "
-                      f"{per_step * 1e3:.1f} ms/step, of which outside the model forward "
-                      f"{overhead * 100:.1f}% ({outside_ms:.1f} ms); decode steps "
-                      f"{ours['decode_step_s'] / ours['elapsed_s'] * 100:.0f}% of wall")
-            print(f"  ours: KV pool {ours['max_total_tokens']} tokens "
-                  f"({ours['kv_pool_gib']:.2f} GiB, preallocated), max_running_requests "
-                  f"{ours['max_running_requests']}, "
-                  f"retracted {ours['num_retracted']}, cache hits {ours['cached_tokens']} tokens")
+                print(
+                    f"  ours: {ours['decode_steps']} decode steps, mean decode batch "
+                    f"{mean_bs:.1f}, "
+                    f"{per_step * 1e3:.1f} ms/step, of which outside the model forward "
+                    f"{overhead * 100:.1f}% ({outside_ms:.1f} ms); decode steps "
+                    f"{ours['decode_step_s'] / ours['elapsed_s'] * 100:.0f}% of wall"
+                )
+            print(
+                f"  ours: KV pool {ours['max_total_tokens']} tokens "
+                f"({ours['kv_pool_gib']:.2f} GiB, preallocated), max_running_requests "
+                f"{ours['max_running_requests']}, "
+                f"retracted {ours['num_retracted']}, cache hits {ours['cached_tokens']} tokens"
+            )
         if ratio is not None:
             tgt = TARGETS[name]
-            print(f"  ratio ours / HF-best (bs={best['batch_size']}): {ratio:.2f}x   "
-                  f"target >= {tgt}x  "
-                  f"{'PASS' if ratio >= tgt else 'MISS'}")
-        summary.append([
-            f"({name})",
-            f"{ours['tps']:.1f}" if ours else "-",
-            f"{best['tps']:.1f} @{best['batch_size']}" if best else "-",
-            f"{ratio:.2f}x / {TARGETS[name]}x" if ratio is not None else "-",
-            f"{overhead * 100:.1f}%" if overhead is not None else "-",
-            f"{mean_bs:.1f}" if mean_bs is not None else "-",
-            f"{ours['peak_rss_mib']:.0f}" if ours else "-",
-            f"{best['peak_rss_mib']:.0f}" if best else "-",
-        ])
-    runs = [r for res in all_res.values()
-            for r in ([res["ours"]] if "ours" in res else []) + res["hf"]]
+            print(
+                f"  ratio ours / HF-best (bs={best['batch_size']}): {ratio:.2f}x   "
+                f"target >= {tgt}x  "
+                f"{'PASS' if ratio >= tgt else 'MISS'}"
+            )
+        summary.append(
+            [
+                f"({name})",
+                f"{ours['tps']:.1f}" if ours else "-",
+                f"{best['tps']:.1f} @{best['batch_size']}" if best else "-",
+                f"{ratio:.2f}x / {TARGETS[name]}x" if ratio is not None else "-",
+                f"{overhead * 100:.1f}%" if overhead is not None else "-",
+                f"{mean_bs:.1f}" if mean_bs is not None else "-",
+                f"{ours['peak_rss_mib']:.0f}" if ours else "-",
+                f"{best['peak_rss_mib']:.0f}" if best else "-",
+            ]
+        )
+    runs = [r for res in all_res.values() for r in ([res["ours"]] if "ours" in res else []) + res["hf"]]
     cpus = os.cpu_count() or 1
     # Disturbed: other processes wanted cores this run's torch threads needed.
-    hit = [r for r in runs if r["other_cores"] > 0.1
-           and r["torch_threads"] + r["other_cores"] > cpus + 0.1]
+    hit = [r for r in runs if r["other_cores"] > 0.1 and r["torch_threads"] + r["other_cores"] > cpus + 0.1]
     if hit:
         worst = max(r["other_cores"] for r in hit)
-        print(f"\nWARNING: in {len(hit)} of {len(runs)} timed runs other processes competed "
-              f"for the {cpus} cores (up to {worst:.2f} cores); those numbers are disturbed.")
+        print(
+            f"\nWARNING: in {len(hit)} of {len(runs)} timed runs other processes competed "
+            f"for the {cpus} cores (up to {worst:.2f} cores); those numbers are disturbed."
+        )
         if max(r["torch_threads"] for r in runs) > 1:
-            print("  With 2+ torch threads on a busy machine OpenMP matmuls slow down "
-                  "several-fold; rerun on a quiet machine or with --threads 1 (applied to both "
-                  "systems).")
+            print(
+                "  With 2+ torch threads on a busy machine OpenMP matmuls slow down "
+                "several-fold; rerun on a quiet machine or with --threads 1 (applied to both "
+                "systems)."
+            )
     threads = runs[0]["torch_threads"] if runs else "-"
     device = runs[0].get("device", "cpu") if runs else "-"
-    print(f"\n=== summary ({'quick' if args.quick else 'full'}, {args.num_prompts} prompts, "
-          f"dtype {args.dtype}, device {device}, seed {args.seed}, torch threads {threads}, "
-          f"{total_s:.0f}s total) ===")
+    print(
+        f"\n=== summary ({'quick' if args.quick else 'full'}, {args.num_prompts} prompts, "
+        f"dtype {args.dtype}, device {device}, seed {args.seed}, torch threads {threads}, "
+        f"{total_s:.0f}s total) ==="
+    )
     sw = [8, 10, 14, 16, 13, 9, 12, 11]
-    print(fmt_row(["workload", "ours tok/s", "HF-best tok/s", "ratio / target", "decode ovhd",
-                   "mean bs", "ours RSS MiB", "HF RSS MiB"], sw))
+    print(
+        fmt_row(
+            [
+                "workload",
+                "ours tok/s",
+                "HF-best tok/s",
+                "ratio / target",
+                "decode ovhd",
+                "mean bs",
+                "ours RSS MiB",
+                "HF RSS MiB",
+            ],
+            sw,
+        )
+    )
     for row in summary:
         print(fmt_row(row, sw))
-    print(f"decode ovhd = 1 - decode_forward_s / decode_step_s (target < "
-          f"{OVERHEAD_TARGET * 100:.0f}% on (a)); RSS = peak RSS of the measuring process "
-          "(ru_maxrss); RSS@start = after load + warm-up;\ncores own / others = CPU seconds of the "
-          "measuring process / of all other processes, per wall second of the timed run")
+    print(
+        f"decode ovhd = 1 - decode_forward_s / decode_step_s (target < "
+        f"{OVERHEAD_TARGET * 100:.0f}% on (a)); RSS = peak RSS of the measuring process "
+        "(ru_maxrss); RSS@start = after load + warm-up;\ncores own / others = CPU seconds of the "
+        "measuring process / of all other processes, per wall second of the timed run"
+    )
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any
 
 import httpx
 
@@ -63,14 +63,34 @@ def pct(xs: list[float], p: float) -> float:
 def make_workload(kind: str, n: int, seed: int, input_len: int, output_len: int) -> list[dict[str, Any]]:
     """Prompts as token-free text so any server can take them; output lengths fixed (ignore_eos)."""
     rng = random.Random(seed)
-    words = ["alpha", "river", "stone", "cloud", "seven", "green", "music", "light", "table", "north",
-             "quiet", "paper", "ocean", "train", "bread", "smile"]
+    words = [
+        "alpha",
+        "river",
+        "stone",
+        "cloud",
+        "seven",
+        "green",
+        "music",
+        "light",
+        "table",
+        "north",
+        "quiet",
+        "paper",
+        "ocean",
+        "train",
+        "bread",
+        "smile",
+    ]
     if kind == "random":
-        return [{"prompt": " ".join(rng.choice(words) for _ in range(input_len)), "max_tokens": output_len}
-                for _ in range(n)]
+        return [
+            {"prompt": " ".join(rng.choice(words) for _ in range(input_len)), "max_tokens": output_len}
+            for _ in range(n)
+        ]
     system = " ".join(rng.choice(words) for _ in range(input_len))
-    return [{"prompt": f"{system}\nQuestion {i}: {' '.join(rng.choice(words) for _ in range(8))}",
-             "max_tokens": output_len} for i in range(n)]
+    return [
+        {"prompt": f"{system}\nQuestion {i}: {' '.join(rng.choice(words) for _ in range(8))}", "max_tokens": output_len}
+        for i in range(n)
+    ]
 
 
 StreamFn = Callable[[dict[str, Any]], AsyncIterator[int]]
@@ -103,8 +123,14 @@ async def run_level(label: str, stream: StreamFn, work: list[dict[str, Any]], co
 
 def openai_stream(client: httpx.AsyncClient, base_url: str, model: str) -> StreamFn:
     async def stream(item: dict[str, Any]) -> AsyncIterator[int]:
-        body = {"model": model, "prompt": item["prompt"], "max_tokens": item["max_tokens"], "stream": True,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": model,
+            "prompt": item["prompt"],
+            "max_tokens": item["max_tokens"],
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         async with client.stream("POST", base_url + "/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -127,7 +153,7 @@ def engine_stream(engine: Any) -> StreamFn:
     return stream
 
 
-def print_table(rows: list[Result], baseline: Optional[list[Result]] = None) -> None:
+def print_table(rows: list[Result], baseline: list[Result] | None = None) -> None:
     keys = list(rows[0].row())
     print(f"{'system':<14}{'conc':>6}" + "".join(f"{k:>14}" for k in keys))
     for r in rows:
@@ -137,9 +163,11 @@ def print_table(rows: list[Result], baseline: Optional[list[Result]] = None) -> 
         print("\nratios services / engine (throughput: higher is better; TTFT delta in ms)")
         for s, e in zip(rows, baseline):
             sv, ev = s.row(), e.row()
-            print(f"  conc {s.concurrency:>3}: out tok/s ratio {sv['out tok/s'] / ev['out tok/s']:.3f}   "
-                  f"p50 TTFT {sv['ttft p50 ms'] - ev['ttft p50 ms']:+.1f} ms   "
-                  f"p50 ITL ratio {sv['itl p50 ms'] / max(ev['itl p50 ms'], 1e-9):.3f}")
+            print(
+                f"  conc {s.concurrency:>3}: out tok/s ratio {sv['out tok/s'] / ev['out tok/s']:.3f}   "
+                f"p50 TTFT {sv['ttft p50 ms'] - ev['ttft p50 ms']:+.1f} ms   "
+                f"p50 ITL ratio {sv['itl p50 ms'] / max(ev['itl p50 ms'], 1e-9):.3f}"
+            )
 
 
 async def bench_openai(base_url: str, work: list[dict[str, Any]], levels: list[int]) -> list[Result]:
@@ -182,9 +210,14 @@ def main() -> None:
             return [await run_level("engine", stream, work, c) for c in levels]
 
         base = asyncio.run(run_engine())
-    plan = LaunchPlan(model_path=model, tokenizer_path=model, http_port=free_port(), grpc_port=free_port(),
-                      scheduler_args=("--max-total-tokens", "40000", "--max-running-requests", "128"),
-                      log_level="warning")
+    plan = LaunchPlan(
+        model_path=model,
+        tokenizer_path=model,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        scheduler_args=("--max-total-tokens", "40000", "--max-running-requests", "128"),
+        log_level="warning",
+    )
     system = launch(plan)
     try:
         services = asyncio.run(bench_openai(system.http_url + "/v1", work, levels))

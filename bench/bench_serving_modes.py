@@ -42,8 +42,13 @@ def plan_for(mode: str, model: str, engine_args: tuple[str, ...], tmp: Path) -> 
 
         kw["tls"] = make_pki(tmp / "pki").tls()
     return LaunchPlan(
-        model_path=model, tokenizer_path=model, http_port=free_port(), grpc_port=free_port(),
-        scheduler_args=args, log_level="warning", **kw,
+        model_path=model,
+        tokenizer_path=model,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        scheduler_args=args,
+        log_level="warning",
+        **kw,
     )
 
 
@@ -89,12 +94,14 @@ def main() -> None:
         for r, b in zip(results[mode], base):
             rv, bv = r.row(), b.row()
 
-            def ratio(k: str) -> float:
+            def ratio(k: str, rv: dict[str, float] = rv, bv: dict[str, float] = bv) -> float:
                 return rv[k] / max(bv[k], 1e-9)
 
-            print(f"  {mode:<8} conc {r.concurrency:>3}: out tok/s {ratio('out tok/s'):.3f}  "
-                  f"TTFT p50 {ratio('ttft p50 ms'):.3f}  p99 {ratio('ttft p99 ms'):.3f}  "
-                  f"ITL p50 {ratio('itl p50 ms'):.3f}  p99 {ratio('itl p99 ms'):.3f}")
+            print(
+                f"  {mode:<8} conc {r.concurrency:>3}: out tok/s {ratio('out tok/s'):.3f}  "
+                f"TTFT p50 {ratio('ttft p50 ms'):.3f}  p99 {ratio('ttft p99 ms'):.3f}  "
+                f"ITL p50 {ratio('itl p50 ms'):.3f}  p99 {ratio('itl p99 ms'):.3f}"
+            )
 
 
 if __name__ == "__main__":

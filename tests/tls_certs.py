@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from meshlm.common.tls import TlsConfig
 
 
@@ -24,9 +25,7 @@ class Pki:
     key_file: Path
 
     def tls(self, *, mutual: bool = True) -> TlsConfig:
-        return TlsConfig(
-            str(self.cert_file), str(self.key_file), str(self.ca_file) if mutual else None
-        )
+        return TlsConfig(str(self.cert_file), str(self.key_file), str(self.ca_file) if mutual else None)
 
     def flags(self) -> list[str]:
         return [
@@ -101,9 +100,7 @@ def make_pki(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
             critical=False,
         )
         .sign(ca_key, hashes.SHA256())

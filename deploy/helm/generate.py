@@ -1,7 +1,7 @@
 """Generate values.yaml and values.schema.json of the five meshlm charts from values_spec.py.
 
-    python deploy/helm/generate.py          # rewrite the files
-    python deploy/helm/generate.py --check  # exit 1 if a committed file differs (tests do this)
+python deploy/helm/generate.py          # rewrite the files
+python deploy/helm/generate.py --check  # exit 1 if a committed file differs (tests do this)
 """
 
 from __future__ import annotations
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path.write_text(text)
     if stale:
-        print(
-            "out of date (run python deploy/helm/generate.py):", ", ".join(stale), file=sys.stderr
-        )
+        print("out of date (run python deploy/helm/generate.py):", ", ".join(stale), file=sys.stderr)
         return 1
     return 0
 

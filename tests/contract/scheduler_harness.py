@@ -15,12 +15,14 @@ import queue
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Optional, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from meshlm.common import protocol
 from meshlm.v1 import (
     common_pb2,
@@ -39,9 +41,16 @@ def build_tiny_llama(out_dir: Path, tokenizer_src: str) -> str:
 
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out_dir)
@@ -60,7 +69,7 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
         time.sleep(interval)
 
 
-def wait_process_serving(proc: "subprocess.Popen[Any]", address: str, what: str, timeout: float = 120) -> None:
+def wait_process_serving(proc: subprocess.Popen[Any], address: str, what: str, timeout: float = 120) -> None:
     """Until the gRPC process at address reports meshlm.v1.SchedulerService SERVING; fails at
     once if the process exits during start-up."""
 
@@ -117,13 +126,22 @@ class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             b = msg.tokens
             for d in b.deltas:
                 if d.rid == rid:
-                    out.append({
-                        "scheduler_id": b.scheduler_id, "origin": d.origin, "seeded": d.HasField("seed"),
-                        "seed": d.seed, "offset": d.token_offset, "ids": list(d.output_ids),
-                        "finish": d.finish_reason, "prompt_tokens": d.prompt_tokens,
-                        "completion_tokens": d.completion_tokens, "cached_tokens": d.cached_tokens,
-                        "logprobs": d.logprobs, "trace": d.trace,
-                    })
+                    out.append(
+                        {
+                            "scheduler_id": b.scheduler_id,
+                            "origin": d.origin,
+                            "seeded": d.HasField("seed"),
+                            "seed": d.seed,
+                            "offset": d.token_offset,
+                            "ids": list(d.output_ids),
+                            "finish": d.finish_reason,
+                            "prompt_tokens": d.prompt_tokens,
+                            "completion_tokens": d.completion_tokens,
+                            "cached_tokens": d.cached_tokens,
+                            "logprobs": d.logprobs,
+                            "trace": d.trace,
+                        }
+                    )
         return out
 
     def hello(self) -> common_pb2.Hello:
@@ -132,7 +150,7 @@ class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         assert first.WhichOneof("msg") == "hello", first
         return first.hello
 
-    def finish(self, rid: str) -> Optional[common_pb2.FinishReason]:
+    def finish(self, rid: str) -> common_pb2.FinishReason | None:
         for e in self.entries(rid):
             if e["finish"].type != common_pb2.FINISH_TYPE_UNSPECIFIED:
                 return e["finish"]
@@ -149,10 +167,10 @@ class TokenizerStream:
         self.origin = origin
         self.channel = grpc.insecure_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
-        self._q: "queue.Queue[Optional[scheduler_pb2.SchedulerInput]]" = queue.Queue()
+        self._q: queue.Queue[scheduler_pb2.SchedulerInput | None] = queue.Queue()
         self._q.put(scheduler_pb2.SchedulerInput(hello=protocol.hello(origin)))
         self.outputs: list[scheduler_pb2.SchedulerOutput] = []
-        self.error: Optional[grpc.RpcError] = None
+        self.error: grpc.RpcError | None = None
         self.ended = threading.Event()
         self._lock = threading.Lock()
         self._call = self.stub.Connect(iter(self._q.get, None))
@@ -174,16 +192,19 @@ class TokenizerStream:
 
     def generate(self, rid: str, input_ids: list[int], **kw: Any) -> None:
         sp = kw.pop("sampling_params", None) or common_pb2.SamplingParams()
-        self.send(generate=scheduler_pb2.TokenizedGenerateReqInput(
-            rid=rid, origin=self.origin, input_ids=input_ids, sampling_params=sp, **kw
-        ))
+        self.send(
+            generate=scheduler_pb2.TokenizedGenerateReqInput(
+                rid=rid, origin=self.origin, input_ids=input_ids, sampling_params=sp, **kw
+            )
+        )
 
     def snapshot(self) -> list[scheduler_pb2.SchedulerOutput]:
         with self._lock:
             return list(self.outputs)
 
-    def wait_output(self, pred: Callable[[scheduler_pb2.SchedulerOutput], bool], timeout: float = 10.0,
-                    what: str = "an output") -> scheduler_pb2.SchedulerOutput:
+    def wait_output(
+        self, pred: Callable[[scheduler_pb2.SchedulerOutput], bool], timeout: float = 10.0, what: str = "an output"
+    ) -> scheduler_pb2.SchedulerOutput:
         return wait_until(lambda: next((o for o in self.snapshot() if pred(o)), None), timeout, what)
 
     def call(self, call_id: int, timeout: float = 10.0, **kw: Any) -> scheduler_pb2.SchedulerOutput:

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
@@ -56,9 +56,7 @@ def run_with_server(
 
 def token_steps(decoder: TokenizerDecoder, rids: list[str]) -> list[scheduler_pb2.BatchTokenIDOut]:
     """One BatchTokenIDOut per step, one token per request per step (requests interleaved)."""
-    ids = {
-        rid: decoder.tokenizer.encode(TEXTS[rid][1], add_special_tokens=False).ids for rid in rids
-    }
+    ids = {rid: decoder.tokenizer.encode(TEXTS[rid][1], add_special_tokens=False).ids for rid in rids}
     steps = []
     for k in range(max(len(v) for v in ids.values())):
         b = scheduler_pb2.BatchTokenIDOut(scheduler_id="s0")
@@ -66,15 +64,14 @@ def token_steps(decoder: TokenizerDecoder, rids: list[str]) -> list[scheduler_pb
             if k >= len(ids[rid]):
                 continue
             d = b.deltas.add(
-                rid=rid, origin=TEXTS[rid][0], output_ids=[ids[rid][k]], token_offset=k,
+                rid=rid,
+                origin=TEXTS[rid][0],
+                output_ids=[ids[rid][k]],
+                token_offset=k,
                 completion_tokens=k + 1,
             )
             if k == 0:
-                d.seed.CopyFrom(
-                    scheduler_pb2.DecodeSeed(
-                        skip_special_tokens=True, spaces_between_special_tokens=True
-                    )
-                )
+                d.seed.CopyFrom(scheduler_pb2.DecodeSeed(skip_special_tokens=True, spaces_between_special_tokens=True))
             if k == len(ids[rid]) - 1:
                 d.finish_reason.CopyFrom(LENGTH)
         steps.append(b)
@@ -105,9 +102,7 @@ async def push(stub: detokenizer_pb2_grpc.DetokenizerServiceStub, msgs: list) ->
     return summary.messages
 
 
-async def collect(
-    call, want_rids: set[str]
-) -> tuple[dict[str, str], dict[str, list[float]], set[str]]:
+async def collect(call, want_rids: set[str]) -> tuple[dict[str, str], dict[str, list[float]], set[str]]:
     """Read a Subscribe stream until every wanted rid finished; text by rid, embeddings, all rids."""
     texts: dict[str, str] = {}
     embs: dict[str, list[float]] = {}
@@ -147,9 +142,7 @@ def test_each_subscriber_gets_only_its_own_requests(decoder) -> None:
         sub1.cancel()
         sub2.cancel()
         for _ in range(100):  # a cancelled Subscribe unregisters its origin
-            if not running.manager.has_subscriber("t1") and not running.manager.has_subscriber(
-                "t2"
-            ):
+            if not running.manager.has_subscriber("t1") and not running.manager.has_subscriber("t2"):
                 break
             await asyncio.sleep(0.02)
         assert not running.manager.has_subscriber("t1") and not running.manager.has_subscriber("t2")
@@ -181,9 +174,7 @@ def test_health_reflection_and_bad_subscribe(decoder) -> None:
             resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-        call = refl.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
-        )
+        call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = set()
         async for resp in call:
             names |= {s.name for s in resp.list_services_response.service}

@@ -10,13 +10,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from meshlm.common import protocol
 from meshlm.common.protocol import PROTOCOL_VERSION
 from meshlm.scheduler.config import SchedulerConfig
@@ -60,7 +61,10 @@ def detok() -> Iterator[RecordingDetokenizer]:
 @pytest.fixture(scope="module")
 def service(tiny_llama: str, detok: RecordingDetokenizer) -> Iterator[ServiceThread]:
     svc = SchedulerServiceConfig(
-        host="127.0.0.1", port=0, scheduler_id="sched-test", detokenizer_addrs=(detok.address,),
+        host="127.0.0.1",
+        port=0,
+        scheduler_id="sched-test",
+        detokenizer_addrs=(detok.address,),
         load_report_interval_s=0.2,
     )
     s = ServiceThread(svc, engine_config(tiny_llama))
@@ -91,7 +95,10 @@ def test_health_reflection_and_model_info(service: ServiceThread, tiny_llama: st
     with grpc.insecure_channel(service.address) as ch:
         health = health_pb2_grpc.HealthStub(ch)
         for name in ("", SERVICE):
-            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         resp = next(iter(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
         assert SERVICE in {s.name for s in resp.list_services_response.service}
@@ -121,15 +128,19 @@ def test_connect_sends_load_and_answers_controls_by_call_id(tok: TokenizerStream
     assert r44.WhichOneof("msg") == "ack" and r44.ack is True
     # Periodic loads keep coming (0.2 s busy, 0.8 s idle in this service).
     n = sum(o.WhichOneof("msg") == "load" and o.call_id == 0 for o in tok.snapshot())
-    wait_until(lambda: sum(o.WhichOneof("msg") == "load" and o.call_id == 0 for o in tok.snapshot()) > n, 3.0,
-               "a periodic load report")
+    wait_until(
+        lambda: sum(o.WhichOneof("msg") == "load" and o.call_id == 0 for o in tok.snapshot()) > n,
+        3.0,
+        "a periodic load report",
+    )
 
 
 def _connect_raw(address: str, first: bytes) -> grpc.RpcError:
     """Open Connect with `first` as raw bytes (any peer, any protocol) and return its error."""
     with grpc.insecure_channel(address) as ch:
         connect = ch.stream_stream(
-            f"/{SERVICE}/Connect", request_serializer=lambda b: b,
+            f"/{SERVICE}/Connect",
+            request_serializer=lambda b: b,
             response_deserializer=scheduler_pb2.SchedulerOutput.FromString,
         )
         with pytest.raises(grpc.RpcError) as e:
@@ -138,14 +149,18 @@ def _connect_raw(address: str, first: bytes) -> grpc.RpcError:
 
 
 def test_first_message_must_be_hello(service: ServiceThread) -> None:
-    err = _connect_raw(service.address, scheduler_pb2.SchedulerInput(get_load=scheduler_pb2.GetLoadReq()).SerializeToString())
+    err = _connect_raw(
+        service.address, scheduler_pb2.SchedulerInput(get_load=scheduler_pb2.GetLoadReq()).SerializeToString()
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be hello" in err.details()
     nameless = scheduler_pb2.SchedulerInput(hello=protocol.hello(""))
     assert _connect_raw(service.address, nameless.SerializeToString()).code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_peer_of_another_protocol_version_is_refused(service: ServiceThread) -> None:
-    newer = scheduler_pb2.SchedulerInput(hello=common_pb2.Hello(peer_id="tok-new", protocol_version=PROTOCOL_VERSION + 1))
+    newer = scheduler_pb2.SchedulerInput(
+        hello=common_pb2.Hello(peer_id="tok-new", protocol_version=PROTOCOL_VERSION + 1)
+    )
     err = _connect_raw(service.address, newer.SerializeToString())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"speaks meshlm.v1 ring protocol {PROTOCOL_VERSION + 1}" in err.details()
@@ -158,10 +173,17 @@ def test_a_peer_of_another_protocol_version_is_refused(service: ServiceThread) -
 
 
 # ---- the ring ---------------------------------------------------------------------------------
-def test_generate_reaches_detokenizer_with_origin_seed_offsets(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
+def test_generate_reaches_detokenizer_with_origin_seed_offsets(
+    tok: TokenizerStream, detok: RecordingDetokenizer
+) -> None:
     rid = "gen-stream"
-    tok.generate(rid, PROMPT, sampling_params=greedy(12, skip_special_tokens=False), stream=True,
-                 trace=common_pb2.TraceContext(traceparent=TRACEPARENT))
+    tok.generate(
+        rid,
+        PROMPT,
+        sampling_params=greedy(12, skip_special_tokens=False),
+        stream=True,
+        trace=common_pb2.TraceContext(traceparent=TRACEPARENT),
+    )
     finish = detok.wait_finish(rid)
     assert detok.hello().peer_id == "sched-test"
     entries = detok.entries(rid)
@@ -195,8 +217,15 @@ def test_non_streaming_request_emits_once(tok: TokenizerStream, detok: Recording
 
 def test_logprobs_travel_as_logprob_deltas(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
     rid = "gen-logprobs"
-    tok.generate(rid, PROMPT, sampling_params=greedy(4), stream=True, return_logprob=True,
-                 logprob_start_len=0, top_logprobs_num=2)
+    tok.generate(
+        rid,
+        PROMPT,
+        sampling_params=greedy(4),
+        stream=True,
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+    )
     detok.wait_finish(rid)
     entries = detok.entries(rid)
     first = entries[0]["logprobs"]
@@ -236,7 +265,9 @@ def test_duplicate_live_rid_is_rejected_on_connect(tok: TokenizerStream, detok: 
     assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 499
 
 
-def test_closing_connect_aborts_origin_requests_and_frees_kv(service: ServiceThread, detok: RecordingDetokenizer) -> None:
+def test_closing_connect_aborts_origin_requests_and_frees_kv(
+    service: ServiceThread, detok: RecordingDetokenizer
+) -> None:
     a = TokenizerStream(service.address, "tok-going-away")
     b = TokenizerStream(service.address, "tok-staying")
     try:
@@ -323,8 +354,9 @@ def test_phase_spans_are_children_of_the_request_trace(tok: TokenizerStream, det
         pytest.skip("another tracer provider is installed in this process")
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tok.generate("traced", PROMPT, sampling_params=greedy(5), stream=True,
-                 trace=common_pb2.TraceContext(traceparent=TRACEPARENT))
+    tok.generate(
+        "traced", PROMPT, sampling_params=greedy(5), stream=True, trace=common_pb2.TraceContext(traceparent=TRACEPARENT)
+    )
     detok.wait_finish("traced")
 
     def mine():
@@ -344,7 +376,10 @@ def test_phase_spans_are_children_of_the_request_trace(tok: TokenizerStream, det
 def test_detokenizer_failover_resyncs_and_completes(tiny_llama: str) -> None:
     d1, d2 = RecordingDetokenizer(), RecordingDetokenizer()
     svc = SchedulerServiceConfig(
-        host="127.0.0.1", port=0, scheduler_id="sched-failover", detokenizer_addrs=(d1.address, d2.address),
+        host="127.0.0.1",
+        port=0,
+        scheduler_id="sched-failover",
+        detokenizer_addrs=(d1.address, d2.address),
     )
     service = ServiceThread(svc, engine_config(tiny_llama))
     tok = TokenizerStream(service.address, "tok-failover")
@@ -386,7 +421,10 @@ def test_no_detokenizer_fails_requests_with_unavailable(tiny_llama: str) -> None
     dead = RecordingDetokenizer()
     dead.kill()  # nothing listens there any more
     svc = SchedulerServiceConfig(
-        host="127.0.0.1", port=0, scheduler_id="sched-nodetok", detokenizer_addrs=(dead.address,),
+        host="127.0.0.1",
+        port=0,
+        scheduler_id="sched-nodetok",
+        detokenizer_addrs=(dead.address,),
         detokenizer_timeout_s=1.0,
     )
     service = ServiceThread(svc, engine_config(tiny_llama))
@@ -448,9 +486,26 @@ def test_process_serves_metrics_and_drains_on_sigterm(tiny_llama: str) -> None:
         "MESHLM_SCHEDULER_LOAD_REPORT_INTERVAL_S": "0.2",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshlm.scheduler", "--host", "127.0.0.1", "--port", str(port),
-         "--scheduler-id", "sched-proc", "--model-path", tiny_llama, "--no-load-progress",
-         "--metrics-port", str(metrics_port), "--grace-period-s", "60", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "meshlm.scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--scheduler-id",
+            "sched-proc",
+            "--model-path",
+            tiny_llama,
+            "--no-load-progress",
+            "--metrics-port",
+            str(metrics_port),
+            "--grace-period-s",
+            "60",
+            "--log-level",
+            "warning",
+        ],
         env=env,
     )
     address = f"127.0.0.1:{port}"
@@ -472,8 +527,16 @@ def test_process_serves_metrics_and_drains_on_sigterm(tiny_llama: str) -> None:
             return t if "meshlm:max_total_num_tokens 3000.0" in t else None
 
         text = wait_until(gauges_set, 5, "the load gauges", interval=0.1)
-        for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "token_usage", "cache_hit_rate",
-                     "num_retracted_reqs", "queue_time_seconds_bucket", "cached_tokens_total"):
+        for name in (
+            "num_running_reqs",
+            "num_queue_reqs",
+            "num_used_tokens",
+            "token_usage",
+            "cache_hit_rate",
+            "num_retracted_reqs",
+            "queue_time_seconds_bucket",
+            "cached_tokens_total",
+        ):
             assert f"meshlm:{name}" in text, name
         assert f"meshlm:prompt_tokens_total {float(len(PROMPT))}" in text
         assert "meshlm:generation_tokens_total 5.0" in text

@@ -9,10 +9,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
+
 from meshlm.scheduler.engine import Engine
 from meshlm.v1 import common_pb2
 
@@ -71,10 +72,30 @@ def _running(pid: int) -> bool:
 def _start(model: str, detok: RecordingDetokenizer) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshlm.scheduler", "--host", "127.0.0.1", "--port", str(port),
-         "--scheduler-id", "sched-tp", "--model-path", model, "--no-load-progress", "--tp-size", "2",
-         "--max-total-tokens", "3000", "--detokenizer-addrs", detok.address, "--grace-period-s", "30",
-         "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "meshlm.scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--scheduler-id",
+            "sched-tp",
+            "--model-path",
+            model,
+            "--no-load-progress",
+            "--tp-size",
+            "2",
+            "--max-total-tokens",
+            "3000",
+            "--detokenizer-addrs",
+            detok.address,
+            "--grace-period-s",
+            "30",
+            "--log-level",
+            "warning",
+        ],
         env=os.environ.copy(),
     )
     address = f"127.0.0.1:{port}"
@@ -96,8 +117,9 @@ def _ranks(proc: subprocess.Popen) -> set[int]:
 
 def test_tp2_service_serves_and_exits_cleanly_on_sigterm(tiny_llama: str, detok: RecordingDetokenizer) -> None:
     with Engine(dtype="float32", model_path=tiny_llama, max_total_tokens=3000, load_progress=False) as eng:
-        expected = eng.generate_sync(input_ids=PROMPT, sampling_params={
-            "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})["output_ids"]
+        expected = eng.generate_sync(
+            input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        )["output_ids"]
     proc, address = _start(tiny_llama, detok)
     tok = None
     try:

@@ -20,6 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.service import start_server
@@ -48,9 +49,7 @@ def text_prompt(s: str) -> tokenizer_pb2.Prompt:
 
 def chat_prompt(*turns: tuple[str, str]) -> tokenizer_pb2.Prompt:
     return tokenizer_pb2.Prompt(
-        messages=tokenizer_pb2.ChatMessages(
-            messages=[tokenizer_pb2.ChatMessage(role=r, content=c) for r, c in turns]
-        )
+        messages=tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role=r, content=c) for r, c in turns])
     )
 
 
@@ -64,9 +63,7 @@ class Ring:
     tokens: list[int]
 
     async def generate(self, **kw) -> list[tokenizer_pb2.GenerateResponse]:
-        return [
-            r async for r in self.stub.Generate(tokenizer_pb2.GenerateRequest(**kw), timeout=20)
-        ]
+        return [r async for r in self.stub.Generate(tokenizer_pb2.GenerateRequest(**kw), timeout=20)]
 
     async def error(self, coro) -> grpc.aio.AioRpcError:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -99,17 +96,12 @@ async def ring(
     detok = None
     if detokenizer:
         detok = await start_detokenizer(
-            DetokenizerConfig(
-                tokenizer_path=str(tok.path), host="127.0.0.1", port=0, grace_period_s=1.0
-            )
+            DetokenizerConfig(tokenizer_path=str(tok.path), host="127.0.0.1", port=0, grace_period_s=1.0)
         )
         detok_addr = f"127.0.0.1:{detok.port}"
     else:
         detok_addr = f"127.0.0.1:{free_port()}"
-    fakes = [
-        FakeScheduler(f"fake-{i}", detok_addr, tokens, tokenizer_path=str(tok.path))
-        for i in range(schedulers)
-    ]
+    fakes = [FakeScheduler(f"fake-{i}", detok_addr, tokens, tokenizer_path=str(tok.path)) for i in range(schedulers)]
     for f in fakes:
         f.is_generation = not embedding
     sched_addrs = [f"127.0.0.1:{await f.start()}" for f in fakes] or [f"127.0.0.1:{free_port()}"]
@@ -125,9 +117,7 @@ async def ring(
     running = await start_server(cfg, tokenizer=tok)
     server, manager = running.server, running.manager
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    r = Ring(
-        tokenizer_pb2_grpc.TokenizerServiceStub(channel), channel, manager, server, fakes, tokens
-    )
+    r = Ring(tokenizer_pb2_grpc.TokenizerServiceStub(channel), channel, manager, server, fakes, tokens)
     try:
         yield r
     finally:
@@ -150,10 +140,7 @@ async def wait_for(pred, timeout: float = 5.0) -> None:
 
 async def ring_ready(r: Ring) -> None:
     await wait_for(
-        lambda: (
-            len(r.manager.schedulers.connected()) == len(r.schedulers)
-            and r.manager.detokenizers.connected()
-        )
+        lambda: len(r.manager.schedulers.connected()) == len(r.schedulers) and r.manager.detokenizers.connected()
     )
 
 
@@ -163,22 +150,12 @@ async def ring_ready(r: Ring) -> None:
 def test_tokenize_detokenize_health_reflection(tok, smollm_tokenizer):
     async def run():
         async with ring(tok, schedulers=0, detokenizer=False) as r:
-            out = await r.stub.Tokenize(
-                tokenizer_pb2.TokenizeRequest(prompt=text_prompt("Hello world"))
-            )
-            assert list(out.tokens) == smollm_tokenizer.encode("Hello world") and out.count == len(
-                out.tokens
-            )
-            assert (
-                out.max_model_len == 8192
-            )  # tokenizer_config model_max_length until a scheduler reports
+            out = await r.stub.Tokenize(tokenizer_pb2.TokenizeRequest(prompt=text_prompt("Hello world")))
+            assert list(out.tokens) == smollm_tokenizer.encode("Hello world") and out.count == len(out.tokens)
+            assert out.max_model_len == 8192  # tokenizer_config model_max_length until a scheduler reports
             msgs = [{"role": "user", "content": "Hi"}]
-            chat = await r.stub.Tokenize(
-                tokenizer_pb2.TokenizeRequest(prompt=chat_prompt(("user", "Hi")))
-            )
-            want = smollm_tokenizer.apply_chat_template(
-                msgs, tokenize=True, add_generation_prompt=True
-            )
+            chat = await r.stub.Tokenize(tokenizer_pb2.TokenizeRequest(prompt=chat_prompt(("user", "Hi"))))
+            want = smollm_tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
             want = want["input_ids"] if hasattr(want, "keys") else want
             assert list(chat.tokens) == list(want)
             ids = await r.stub.Tokenize(
@@ -191,9 +168,7 @@ def test_tokenize_detokenize_health_reflection(tok, smollm_tokenizer):
             d = await r.stub.Detokenize(tokenizer_pb2.DetokenizeRequest(tokens=[1] + out.tokens[:]))
             assert d.text == "Hello world"
             d = await r.stub.Detokenize(
-                tokenizer_pb2.DetokenizeRequest(
-                    tokens=[1] + out.tokens[:], skip_special_tokens=False
-                )
+                tokenizer_pb2.DetokenizeRequest(tokens=[1] + out.tokens[:], skip_special_tokens=False)
             )
             assert d.text == "<|im_start|>Hello world"
 
@@ -223,13 +198,7 @@ def test_validation_errors_are_invalid_argument_and_name_the_field(tok):
                 (dict(), "prompts is empty"),
                 (dict(prompts=[text_prompt("")]), "prompts[0].text is empty"),
                 (
-                    dict(
-                        prompts=[
-                            tokenizer_pb2.Prompt(
-                                input_ids=tokenizer_pb2.TokenIdList(ids=[1, 99999])
-                            )
-                        ]
-                    ),
+                    dict(prompts=[tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=[1, 99999]))]),
                     "prompts[0].input_ids[1] = 99999 is out of the vocabulary; token ids must be in [0, 49152)",
                 ),
                 (
@@ -240,9 +209,7 @@ def test_validation_errors_are_invalid_argument_and_name_the_field(tok):
                     "sampling_params.top_p must be in (0, 1], got 1.5",
                 ),
                 (
-                    dict(
-                        prompts=[text_prompt("x")], sampling_params=common_pb2.SamplingParams(n=0)
-                    ),
+                    dict(prompts=[text_prompt("x")], sampling_params=common_pb2.SamplingParams(n=0)),
                     "sampling_params.n must be >= 1",
                 ),
             ]
@@ -275,14 +242,9 @@ def test_unavailable_when_no_peer_is_reachable(tok):
             assert e.code() == CODE.UNAVAILABLE
         async with ring(tok, schedulers=0, detokenizer=True, connect_timeout_s=0.5) as r:
             e = await r.error(r.generate(prompts=[text_prompt("hi")]))
-            assert e.code() == CODE.UNAVAILABLE and "no scheduler reachable" in e.details(), (
-                e.details()
-            )
+            assert e.code() == CODE.UNAVAILABLE and "no scheduler reachable" in e.details(), e.details()
             info = await r.stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest())
-            assert (
-                info.tokenizer_id == r.manager.origin
-                and json.loads(info.config_json)["scheduler_endpoints"]
-            )
+            assert info.tokenizer_id == r.manager.origin and json.loads(info.config_json)["scheduler_endpoints"]
 
     asyncio.run(run())
 
@@ -295,9 +257,7 @@ def test_generate_stream_and_non_stream(tok):
         async with ring(tok) as r:
             await ring_ready(r)
             want = tok.decode(r.tokens[:5])
-            trace = common_pb2.TraceContext(
-                traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-            )
+            trace = common_pb2.TraceContext(traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
             out = await r.generate(
                 prompts=[text_prompt("Hi")],
                 rid="req1",
@@ -315,9 +275,7 @@ def test_generate_stream_and_non_stream(tok):
             assert last.e2e_latency > 0
             sent = r.schedulers[0].seen.generate[-1]
             assert sent.rid == "req1" and sent.origin == r.manager.origin and sent.stream
-            assert (
-                sent.trace.traceparent.split("-")[1] == "0af7651916cd43dd8448eb211c80319c"
-            )  # same trace
+            assert sent.trace.traceparent.split("-")[1] == "0af7651916cd43dd8448eb211c80319c"  # same trace
             assert r.schedulers[0].seen.origins == [r.manager.origin]
 
             whole = await r.generate(
@@ -367,9 +325,7 @@ def test_batch_and_n_fan_out_with_prefix_warmup(tok):
             }
             assert all(o.text == tok.decode(r.tokens[:3]) for o in out)
             seen = [g.rid for g in r.schedulers[0].seen.generate]
-            assert set(seen[:2]) == {"bn_warmup_0", "bn_warmup_1"} and set(seen[2:]) == {
-                f"bn_{i}" for i in range(4)
-            }
+            assert set(seen[:2]) == {"bn_warmup_0", "bn_warmup_1"} and set(seen[2:]) == {f"bn_{i}" for i in range(4)}
             warm = r.schedulers[0].seen.generate[0]
             assert warm.sampling_params.max_new_tokens == 0
             for g in r.schedulers[0].seen.generate[2:]:
@@ -458,17 +414,18 @@ def test_cancel_and_abort_reach_the_scheduler(tok):
             await ring_ready(r)
             fake = r.schedulers[0]
             fake.hold = True
-            call = r.stub.Generate(tokenizer_pb2.GenerateRequest(prompts=[text_prompt("Hi")], rid="gone",
-                                                                 stream=True))
+            call = r.stub.Generate(tokenizer_pb2.GenerateRequest(prompts=[text_prompt("Hi")], rid="gone", stream=True))
             await wait_for(lambda: any(g.rid == "gone" for g in fake.seen.generate))
             call.cancel()
             await wait_for(lambda: any(a.rid == "gone" for a in fake.seen.aborts))
             await wait_for(lambda: r.manager.states == {})
 
             # n>1: a cancelled call aborts every sample
-            call = r.stub.Generate(tokenizer_pb2.GenerateRequest(
-                prompts=[text_prompt("Hi")], rid="many", stream=True,
-                sampling_params=common_pb2.SamplingParams(n=2)))
+            call = r.stub.Generate(
+                tokenizer_pb2.GenerateRequest(
+                    prompts=[text_prompt("Hi")], rid="many", stream=True, sampling_params=common_pb2.SamplingParams(n=2)
+                )
+            )
             await wait_for(lambda: {g.rid for g in fake.seen.generate} >= {"many_0", "many_1"})
             call.cancel()
             await wait_for(lambda: {a.rid for a in fake.seen.aborts} >= {"many_0", "many_1"})
@@ -476,8 +433,11 @@ def test_cancel_and_abort_reach_the_scheduler(tok):
             assert r.manager.metrics.metrics.registry.get_sample_value("meshlm:num_aborted_requests_total") == 3
 
             # Abort RPC by rid prefix: the scheduler aborts both samples, the call ends CANCELLED
-            call = r.stub.Generate(tokenizer_pb2.GenerateRequest(
-                prompts=[text_prompt("Hi")], rid="ab", sampling_params=common_pb2.SamplingParams(n=2)))
+            call = r.stub.Generate(
+                tokenizer_pb2.GenerateRequest(
+                    prompts=[text_prompt("Hi")], rid="ab", sampling_params=common_pb2.SamplingParams(n=2)
+                )
+            )
             await wait_for(lambda: {g.rid for g in fake.seen.generate} >= {"ab_0", "ab_1"})
             await r.stub.Abort(tokenizer_pb2.AbortRequest(rid="ab"))
             e = await r.error(_gen_list(call))
@@ -529,9 +489,7 @@ def test_scheduler_loss_retries_idle_requests_and_fails_started_ones(tok):
             # a request that already produced output is not retried: UNAVAILABLE
             other.step_s = 0.3
             call = r.stub.Generate(
-                tokenizer_pb2.GenerateRequest(
-                    prompts=[text_prompt("Hi")], rid="started", stream=True
-                )
+                tokenizer_pb2.GenerateRequest(prompts=[text_prompt("Hi")], rid="started", stream=True)
             )
             first = await call.read()
             assert first.output_ids
@@ -563,9 +521,7 @@ def test_shortest_queue_routing_uses_scheduler_loads(tok):
                 ("fake-1", 1),
             }
             assert json.loads(info.config_json)["routing_policy"] == "shortest_queue"
-            assert info.model.model_path == "fake-model" and info.model.tokenizer_path == str(
-                tok.path
-            )
+            assert info.model.model_path == "fake-model" and info.model.tokenizer_path == str(tok.path)
 
     asyncio.run(run())
 
@@ -579,21 +535,13 @@ def test_flush_cache_sessions_and_model_info(tok):
             assert ok.success and a.seen.flushes == 1 and b.seen.flushes == 1
             b.flush_ok = False
             bad = await r.stub.FlushCache(tokenizer_pb2.FlushCacheRequest())
-            assert (
-                not bad.success
-                and "fake-1" in bad.message
-                and "requests are running" in bad.message
-            )
+            assert not bad.success and "fake-1" in bad.message and "requests are running" in bad.message
 
             info = await r.stub.GetModelInfo(common_pb2.GetModelInfoRequest())
             assert info.served_model_name == "smol" and info.context_length == 8192
 
             sids = [
-                (
-                    await r.stub.OpenSession(
-                        tokenizer_pb2.OpenSessionRequest(capacity_of_str_len=100)
-                    )
-                ).session_id
+                (await r.stub.OpenSession(tokenizer_pb2.OpenSessionRequest(capacity_of_str_len=100))).session_id
                 for _ in range(2)
             ]
             assert sorted(s.split("-")[0] for s in sids) == ["s0", "s1"]
@@ -606,14 +554,10 @@ def test_flush_cache_sessions_and_model_info(tok):
                     sampling_params=common_pb2.SamplingParams(max_new_tokens=1),
                 )
                 assert r.schedulers[j].seen.generate[-1].session_id == sid
-            e = await r.error(
-                r.stub.OpenSession(tokenizer_pb2.OpenSessionRequest(session_id=sids[0]))
-            )
+            e = await r.error(r.stub.OpenSession(tokenizer_pb2.OpenSessionRequest(session_id=sids[0])))
             assert e.code() == CODE.INVALID_ARGUMENT and "already exists" in e.details()
             await r.stub.CloseSession(tokenizer_pb2.CloseSessionRequest(session_id=sids[0]))
-            e = await r.error(
-                r.stub.CloseSession(tokenizer_pb2.CloseSessionRequest(session_id=sids[0]))
-            )
+            e = await r.error(r.stub.CloseSession(tokenizer_pb2.CloseSessionRequest(session_id=sids[0])))
             assert e.code() == CODE.NOT_FOUND and sids[0] in e.details()
             e = await r.error(r.generate(prompts=[text_prompt("Hi")], session_id="s7-nope"))
             assert e.code() == CODE.NOT_FOUND and "s7-nope" in e.details()
@@ -626,9 +570,7 @@ def test_embed_and_model_kind_checks(tok):
         async with ring(tok, embedding=True) as r:
             await ring_ready(r)
             await wait_for(lambda: r.manager.model_info is not None)
-            emb = await r.stub.Embed(
-                tokenizer_pb2.EmbedRequest(prompts=[text_prompt("a b c"), text_prompt("d")])
-            )
+            emb = await r.stub.Embed(tokenizer_pb2.EmbedRequest(prompts=[text_prompt("a b c"), text_prompt("d")]))
             assert [x.index for x in emb.results] == [0, 1]
             assert list(emb.results[0].embedding) == [float(len(tok.encode("a b c"))), 0.5]
             assert emb.results[1].prompt_tokens == len(tok.encode("d"))
@@ -683,17 +625,11 @@ def test_admission_limit_and_drain(tok):
         async with ring(tok, max_queued_requests=2) as r:
             await ring_ready(r)
             fake = r.schedulers[0]
-            e = await r.error(
-                r.generate(
-                    prompts=[text_prompt("Hi")], sampling_params=common_pb2.SamplingParams(n=3)
-                )
-            )
+            e = await r.error(r.generate(prompts=[text_prompt("Hi")], sampling_params=common_pb2.SamplingParams(n=3)))
             assert e.code() == CODE.INVALID_ARGUMENT and "max_queued_requests=2" in e.details()
             fake.hold = True
             calls = [
-                r.stub.Generate(
-                    tokenizer_pb2.GenerateRequest(prompts=[text_prompt("Hi")], rid=f"h{i}")
-                )
+                r.stub.Generate(tokenizer_pb2.GenerateRequest(prompts=[text_prompt("Hi")], rid=f"h{i}"))
                 for i in range(2)
             ]
             await wait_for(lambda: len(r.manager.states) == 2)
@@ -748,27 +684,16 @@ def test_spans_continue_the_caller_trace_and_travel_with_the_request(tok):
 
     sent = asyncio.run(run())
     spans = exporter.get_finished_spans()
-    gen = next(
-        s for s in spans if s.name == "generate" and s.attributes.get("meshlm.rid") == "traced"
-    )
-    assert (
-        format(gen.context.trace_id, "032x") == trace_id
-        and format(gen.parent.span_id, "016x") == parent
-    )
+    gen = next(s for s in spans if s.name == "generate" and s.attributes.get("meshlm.rid") == "traced")
+    assert format(gen.context.trace_id, "032x") == trace_id and format(gen.parent.span_id, "016x") == parent
     tokenize = [
-        s
-        for s in spans
-        if s.name == "tokenize" and s.parent is not None and s.parent.span_id == gen.context.span_id
+        s for s in spans if s.name == "tokenize" and s.parent is not None and s.parent.span_id == gen.context.span_id
     ]
     assert len(tokenize) == 1
     # the scheduler gets the generate span as the parent of its own spans
     assert sent["traced"] == f"00-{trace_id}-{format(gen.context.span_id, '016x')}-01"
-    root = next(
-        s for s in spans if s.name == "generate" and s.attributes.get("meshlm.rid") == "root"
-    )
-    assert root.parent is None and sent["root"].split("-")[1] == format(
-        root.context.trace_id, "032x"
-    )
+    root = next(s for s in spans if s.name == "generate" and s.attributes.get("meshlm.rid") == "root")
+    assert root.parent is None and sent["root"].split("-")[1] == format(root.context.trace_id, "032x")
 
 
 def test_process_serves_and_exits_0_on_sigterm(tok):
@@ -840,14 +765,10 @@ def test_full_ring_with_real_scheduler_matches_hf_greedy(tok, smollm_path, smoll
     messages = [("user", "What is the capital of France?")]
 
     async def run() -> tuple[list, list, list]:
-        detok = await start_detokenizer(
-            DetokenizerConfig(tokenizer_path=smollm_path, host="127.0.0.1", port=0)
-        )
+        detok = await start_detokenizer(DetokenizerConfig(tokenizer_path=smollm_path, host="127.0.0.1", port=0))
         daddr = f"127.0.0.1:{detok.port}"
         sched = SchedulerServer(
-            SchedulerServiceConfig(
-                host="127.0.0.1", port=0, detokenizer_addrs=(daddr,), grace_period_s=2.0
-            ),
+            SchedulerServiceConfig(host="127.0.0.1", port=0, detokenizer_addrs=(daddr,), grace_period_s=2.0),
             SchedulerConfig(
                 model_path=smollm_path,
                 device="cpu",
@@ -872,18 +793,8 @@ def test_full_ring_with_real_scheduler_matches_hf_greedy(tok, smollm_path, smoll
         try:
             sp = common_pb2.SamplingParams(max_new_tokens=8, temperature=0.0)
             req = dict(prompts=[chat_prompt(*messages)], sampling_params=sp)
-            streamed = [
-                x
-                async for x in stub.Generate(
-                    tokenizer_pb2.GenerateRequest(stream=True, **req), timeout=120
-                )
-            ]
-            whole = [
-                x
-                async for x in stub.Generate(
-                    tokenizer_pb2.GenerateRequest(stream=False, **req), timeout=120
-                )
-            ]
+            streamed = [x async for x in stub.Generate(tokenizer_pb2.GenerateRequest(stream=True, **req), timeout=120)]
+            whole = [x async for x in stub.Generate(tokenizer_pb2.GenerateRequest(stream=False, **req), timeout=120)]
             # cancel mid-way: the scheduler frees the request
             slow = stub.Generate(
                 tokenizer_pb2.GenerateRequest(
@@ -895,9 +806,7 @@ def test_full_ring_with_real_scheduler_matches_hf_greedy(tok, smollm_path, smoll
             )
             await slow.read()
             slow.cancel()
-            await wait_for(
-                lambda: manager.states == {} and sched.tracker.num_live() == 0, timeout=20
-            )
+            await wait_for(lambda: manager.states == {} and sched.tracker.num_live() == 0, timeout=20)
             info = await stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest())
             return streamed, whole, list(info.schedulers)
         finally:
@@ -913,14 +822,8 @@ def test_full_ring_with_real_scheduler_matches_hf_greedy(tok, smollm_path, smoll
     model = AutoModelForCausalLM.from_pretrained(smollm_path, torch_dtype=torch.float32)
     ids = tok.chat_ids([{"role": r, "content": c} for r, c in messages])[1]
     with torch.no_grad():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0][
-            len(ids) :
-        ].tolist()
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0][len(ids) :].tolist()
     assert [i for x in streamed for i in x.output_ids] == ref
-    assert (
-        "".join(x.text for x in streamed)
-        == whole[0].text
-        == smollm_tokenizer.decode(ref, skip_special_tokens=True)
-    )
+    assert "".join(x.text for x in streamed) == whole[0].text == smollm_tokenizer.decode(ref, skip_special_tokens=True)
     assert whole[0].meta_info.completion_tokens == len(ref) and whole[0].finished
     assert loads and loads[0].scheduler_id

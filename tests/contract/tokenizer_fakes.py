@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Optional
 
 import grpc
+
 from meshlm.common import protocol
 from meshlm.v1 import (
     common_pb2,
@@ -54,18 +54,18 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.load = common_pb2.SchedulerLoad(scheduler_id=scheduler_id)
         # Behaviour switches set by tests.
         self.hold = False  # accept requests, never emit
-        self.reject: Optional[tuple[int, str]] = None  # ABORT finish through the ring
-        self.direct_error: Optional[tuple[int, str]] = None  # RequestError on Connect
+        self.reject: tuple[int, str] | None = None  # ABORT finish through the ring
+        self.direct_error: tuple[int, str] | None = None  # RequestError on Connect
         self.resend_at_end = False  # detokenizer resync: re-send everything from offset 0
         self.flush_ok = True
         self.is_generation = True
-        self.server: Optional[grpc.aio.Server] = None
+        self.server: grpc.aio.Server | None = None
         self.port = 0
         self._push_q: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._aborted: set[str] = set()
         self._conn_outs: list[asyncio.Queue] = []
-        self._push_task: Optional[asyncio.Task] = None
+        self._push_task: asyncio.Task | None = None
 
     async def start(self, port: int = 0) -> int:
         self.server = grpc.aio.server()
@@ -75,7 +75,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._push_task = asyncio.create_task(self._push_loop())
         return self.port
 
-    async def stop(self, grace: Optional[float] = None) -> None:
+    async def stop(self, grace: float | None = None) -> None:
         for t in list(self._tasks):
             t.cancel()
         if self._push_task is not None:
@@ -102,14 +102,19 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         req,
         ids: list[int],
         offset: int,
-        finish: Optional[common_pb2.FinishReason],
+        finish: common_pb2.FinishReason | None,
         seed: bool,
         completion: int,
     ) -> None:
         out = scheduler_pb2.BatchTokenIDOut(scheduler_id=self.scheduler_id)
         d = out.deltas.add(
-            rid=req.rid, origin=req.origin, output_ids=ids, token_offset=offset,
-            prompt_tokens=len(req.input_ids), completion_tokens=completion, trace=req.trace,
+            rid=req.rid,
+            origin=req.origin,
+            output_ids=ids,
+            token_offset=offset,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=completion,
+            trace=req.trace,
         )
         if finish is not None:
             d.finish_reason.CopyFrom(finish)
@@ -118,9 +123,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             d.seed.CopyFrom(
                 scheduler_pb2.DecodeSeed(
                     prompt_tail_ids=list(req.input_ids[-5:]),
-                    skip_special_tokens=sp.skip_special_tokens
-                    if sp.HasField("skip_special_tokens")
-                    else True,
+                    skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
                     spaces_between_special_tokens=True,
                     want_logprob_text=req.return_logprob,
                 )
@@ -163,9 +166,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 req,
                 [],
                 0,
-                common_pb2.FinishReason(
-                    type=common_pb2.FINISH_TYPE_ABORT, message=message, status_code=status
-                ),
+                common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_ABORT, message=message, status_code=status),
                 True,
                 0,
             )
@@ -192,19 +193,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                     req,
                     [],
                     k,
-                    common_pb2.FinishReason(
-                        type=common_pb2.FINISH_TYPE_ABORT, message="aborted", status_code=499
-                    ),
+                    common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_ABORT, message="aborted", status_code=499),
                     False,
                     k,
                 )
                 return
             last = k == len(out_ids) - 1
-            finish = (
-                common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_LENGTH, length=len(out_ids))
-                if last
-                else None
-            )
+            finish = common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_LENGTH, length=len(out_ids)) if last else None
             if last and self.resend_at_end:
                 # A fail-over resync: all ids from 0 with a seed, then the finish (ring.md).
                 self._emit(req, out_ids[:k], 0, None, True, k)
@@ -256,18 +251,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                     )
                     self._push_q.put_nowait(
                         detokenizer_pb2.DetokenizerInput(
-                            embeddings=scheduler_pb2.BatchEmbeddingOut(
-                                scheduler_id=self.scheduler_id, results=[result]
-                            )
+                            embeddings=scheduler_pb2.BatchEmbeddingOut(scheduler_id=self.scheduler_id, results=[result])
                         )
                     )
                 elif kind == "abort":
                     self.seen.aborts.append(msg.abort)
                     self._aborted.add(msg.abort.rid)
                 elif kind == "get_load":
-                    out.put_nowait(
-                        scheduler_pb2.SchedulerOutput(call_id=msg.call_id, load=self.load)
-                    )
+                    out.put_nowait(scheduler_pb2.SchedulerOutput(call_id=msg.call_id, load=self.load))
                 elif kind == "flush_cache":
                     self.seen.flushes += 1
                     out.put_nowait(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import helm_python as helm
 import yaml
@@ -49,7 +49,7 @@ def component_values(umbrella_values: dict[str, Any], component: str) -> dict[st
     return out
 
 
-def render(chart: Path, values: Optional[dict[str, Any]] = None, **kw: Any) -> dict[str, str]:
+def render(chart: Path, values: dict[str, Any] | None = None, **kw: Any) -> dict[str, str]:
     """Template path -> rendered text (schema validation included, as `helm template` does)."""
     kw.setdefault("name", RELEASE)
     kw.setdefault("namespace", NAMESPACE)

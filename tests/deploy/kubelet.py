@@ -27,12 +27,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .charts import component_of, selects, workloads
+from .charts import selects, workloads
 
 ADDR = re.compile(r"(?<![\w.-])([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)((?:\.[a-z0-9-]+)*):(\d+)\b")
 
@@ -67,17 +67,15 @@ class LocalCluster:
         docs: list[dict[str, Any]],
         root: Path,
         namespace: str,
-        secrets: Optional[dict[tuple[str, str], str]] = None,
-        secret_files: Optional[dict[str, Path]] = None,
+        secrets: dict[tuple[str, str], str] | None = None,
+        secret_files: dict[str, Path] | None = None,
     ) -> None:
         self.namespace = namespace
         self.secrets = secrets or {}
         secret_files = secret_files or {}
         self.pods: dict[str, Pod] = {}
         for w in workloads(docs):
-            assert w["spec"].get("replicas", 1) == 1, (
-                f"{w['metadata']['name']}: run one replica locally"
-            )
+            assert w["spec"].get("replicas", 1) == 1, f"{w['metadata']['name']}: run one replica locally"
             tpl = w["spec"]["template"]
             # Named by the workload's name label: its component, or scheduler-decode.
             name = w["metadata"]["labels"]["app.kubernetes.io/name"].removeprefix("meshlm-")
@@ -98,9 +96,7 @@ class LocalCluster:
             (pod,) = [p for p in self.pods.values() if selects(svc["spec"]["selector"], p.labels)]
             for port in svc["spec"]["ports"]:
                 target = port.get("targetPort", port["port"])
-                self.addresses[(svc["metadata"]["name"], port["port"])] = pod.ports[
-                    pod.named.get(target, target)
-                ]
+                self.addresses[(svc["metadata"]["name"], port["port"])] = pod.ports[pod.named.get(target, target)]
 
     # ---- rewriting -----------------------------------------------------------------------------
     def _address(self, m: re.Match[str]) -> str:
@@ -151,15 +147,15 @@ class LocalCluster:
 
     # ---- running -------------------------------------------------------------------------------
     def _start(self, pod: Pod, c: dict[str, Any]) -> subprocess.Popen:
-        log = open(pod.root / f"{c['name']}.log", "wb")
-        proc = subprocess.Popen(
-            self.argv(pod, c),
-            env=self.env(pod, c),
-            cwd=pod.root,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(pod.root / f"{c['name']}.log", "wb") as log:  # the child keeps its own copy of the fd
+            proc = subprocess.Popen(
+                self.argv(pod, c),
+                env=self.env(pod, c),
+                cwd=pod.root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         pod.procs[c["name"]] = proc
         return proc
 
@@ -185,9 +181,7 @@ class LocalCluster:
             try:
                 with grpc.insecure_channel(address) as ch:
                     req = health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", ""))
-                    resp = health_pb2_grpc.HealthStub(ch).Check(
-                        req, timeout=probe.get("timeoutSeconds", 1)
-                    )
+                    resp = health_pb2_grpc.HealthStub(ch).Check(req, timeout=probe.get("timeoutSeconds", 1))
                 return resp.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
                 return False
@@ -208,9 +202,7 @@ class LocalCluster:
                 pod = self.pods[pod_name]
                 c = next(x for x in pod.spec["containers"] if x["name"] == c_name)
                 proc = pod.procs[c_name]
-                assert proc.poll() is None, (
-                    f"{pod_name} exited {proc.returncode}:\n{pod.log(c_name)}"
-                )
+                assert proc.poll() is None, f"{pod_name} exited {proc.returncode}:\n{pod.log(c_name)}"
                 if self.probe(pod, c["startupProbe"]) and self.probe(pod, c["readinessProbe"]):
                     pending.discard((pod_name, c_name))
             if pending and time.monotonic() > deadline:
@@ -228,14 +220,14 @@ class LocalCluster:
         rc = self._start(pod, c).wait(timeout=timeout_s)
         return rc, pod.log(c["name"])
 
-    def stop(self) -> dict[str, Optional[int]]:
+    def stop(self) -> dict[str, int | None]:
         """SIGTERM every container (as after the preStop hook), wait for the drain the pod spec
         allows (terminationGracePeriodSeconds - preStop sleep), SIGKILL what is left (rc None)."""
         for pod in self.pods.values():
             for proc in pod.procs.values():
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
-        codes: dict[str, Optional[int]] = {}
+        codes: dict[str, int | None] = {}
         for pod in self.pods.values():
             for c in pod.spec["containers"]:
                 budget = pod.spec["terminationGracePeriodSeconds"] - int(

@@ -15,8 +15,8 @@ from .charts import (
     CHARTS,
     COMPONENTS,
     HELM_DIR,
-    RELEASE,
     K8S_VERSIONS,
+    RELEASE,
     by_kind,
     component_of,
     component_values,
@@ -57,9 +57,7 @@ def validate_structurally(sm: dict[str, Any], docs: list[dict[str, Any]]) -> Non
     assert set(spec) <= {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels"}
     match = spec["selector"]["matchLabels"]
     services = [s for s in by_kind(docs, "Service") if selects(match, s["metadata"]["labels"])]
-    assert len(services) == 1, (
-        f"ServiceMonitor {sm['metadata']['name']} selects {len(services)} services"
-    )
+    assert len(services) == 1, f"ServiceMonitor {sm['metadata']['name']} selects {len(services)} services"
     port_names = {p["name"] for p in services[0]["spec"]["ports"]}
     assert spec["endpoints"], "no endpoints"
     for ep in spec["endpoints"]:
@@ -82,9 +80,7 @@ def test_helm_lint_reports_no_errors(chart: str, umbrella: Path) -> None:
 
 
 @pytest.mark.parametrize("chart,value_set", _cases())
-def test_renders_and_validates_against_kubernetes_schemas(
-    chart: str, value_set: str, umbrella: Path
-) -> None:
+def test_renders_and_validates_against_kubernetes_schemas(chart: str, value_set: str, umbrella: Path) -> None:
     path, values = _chart_and_values(umbrella, chart, value_set)
     docs = manifests(render(path, values))
     assert workloads(docs), "no workload rendered"
@@ -97,8 +93,7 @@ def test_renders_and_validates_against_kubernetes_schemas(
                 kubernetes_validate.validate(doc, version, strict=True)
             except kubernetes_validate.ValidationError as e:
                 pytest.fail(
-                    f"{doc['kind']}/{doc['metadata']['name']} invalid for k8s {version}: "
-                    f"{e.message} at {list(e.path)}"
+                    f"{doc['kind']}/{doc['metadata']['name']} invalid for k8s {version}: {e.message} at {list(e.path)}"
                 )
     names = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert len(names) == len(set(names)), f"duplicate objects: {names}"
@@ -138,9 +133,7 @@ def test_peers_are_addressed_by_rendered_headless_services(value_set: str, umbre
             assert selects(svc["spec"]["selector"], pods[peer]["metadata"]["labels"])
             others = [n for n in pods if n != peer]
             assert not any(selects(svc["spec"]["selector"], pods[n]["metadata"]["labels"]) for n in others)
-            named = {
-                p["name"]: p["containerPort"] for p in pods[peer]["spec"]["containers"][0]["ports"]
-            }
+            named = {p["name"]: p["containerPort"] for p in pods[peer]["spec"]["containers"][0]["ports"]}
             assert named[svc_port["targetPort"]] == int(port)
 
 
@@ -165,10 +158,7 @@ def test_workload_contract(value_set: str, umbrella: Path) -> None:
         else:  # under TLS the kubelet probes the plaintext health port
             probe_port = f["health-port"] if "tls-cert-file" in f else f["port"]
             assert c["readinessProbe"]["grpc"]["port"] == int(probe_port)
-        assert (
-            pod["securityContext"]["runAsNonRoot"]
-            and c["securityContext"]["readOnlyRootFilesystem"]
-        )
+        assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         assert {"/tmp", "/cache"} <= mounts
         if comp == "scheduler":
@@ -183,9 +173,7 @@ def test_workload_contract(value_set: str, umbrella: Path) -> None:
             assert gpus == (tp if acc == "cuda" else None)
             assert w["spec"]["template"]["metadata"]["labels"]["meshlm.io/role"] == role
             assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600
-            assert w["spec"]["serviceName"] in {
-                s["metadata"]["name"] for s in by_kind(docs, "Service")
-            }
+            assert w["spec"]["serviceName"] in {s["metadata"]["name"] for s in by_kind(docs, "Service")}
 
 
 def test_gateway_api_key_and_helm_test_hook(umbrella: Path) -> None:
@@ -207,9 +195,7 @@ def test_gateway_api_key_and_helm_test_hook(umbrella: Path) -> None:
         "tokenizer",
         "detokenizer",
     }
-    assert (
-        len(by_kind(docs, "PodDisruptionBudget")) == 4 and len(by_kind(docs, "ServiceMonitor")) == 4
-    )
+    assert len(by_kind(docs, "PodDisruptionBudget")) == 4 and len(by_kind(docs, "ServiceMonitor")) == 4
     otlp = {component_of(w): flags(container(w)).get("otlp-endpoint") for w in workloads(docs)}
     assert set(otlp.values()) == {"otel-collector.observability:4317"}
 
@@ -219,9 +205,7 @@ TLS_DIR = "/etc/meshlm/tls"
 
 
 @pytest.mark.parametrize("chart", [*CHARTS, "meshlm"])
-def test_tls_mounts_the_secret_passes_the_flags_and_moves_the_probes(
-    chart: str, umbrella: Path
-) -> None:
+def test_tls_mounts_the_secret_passes_the_flags_and_moves_the_probes(chart: str, umbrella: Path) -> None:
     if chart == "meshlm":
         path, health_port = umbrella, 8081  # the default
         values: dict[str, Any] = {c: {"tls": TLS_ON} for c in COMPONENTS}
@@ -273,11 +257,7 @@ def test_disabled_component_is_left_out(umbrella: Path) -> None:
 def test_standalone_charts_of_one_system_find_each_other() -> None:
     """Installed as four releases with one global.meshlm.system, the names line up."""
     values = {"global": {"meshlm": {"system": "chat"}}}
-    docs = [
-        d
-        for chart in CHARTS
-        for d in manifests(render(HELM_DIR / chart, values, name=f"r-{chart}"))
-    ]
+    docs = [d for chart in CHARTS for d in manifests(render(HELM_DIR / chart, values, name=f"r-{chart}"))]
     services = {s["metadata"]["name"] for s in by_kind(docs, "Service")}
     for w in workloads(docs):
         for flag, value in flags(container(w)).items():

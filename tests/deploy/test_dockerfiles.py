@@ -49,9 +49,7 @@ def test_dockerfile(name: str) -> None:
     final_start = max(i for i, (op, _) in enumerate(ins) if op == "FROM")
     build, final = ins[:final_start], ins[final_start:]
     runs = " ".join(args for op, args in build if op == "RUN")
-    assert EXTRA.findall(runs) == [component], (
-        "must install the package with only its component's extra"
-    )
+    assert EXTRA.findall(runs) == [component], "must install the package with only its component's extra"
     assert re.search(r'python -c "import meshlm\.v1\.\w+_pb2"', runs), (
         "must import the stubs generated in the build (meshlm.v1 checks them against the protos)"
     )
@@ -63,26 +61,16 @@ def test_dockerfile(name: str) -> None:
         assert re.fullmatch(r"\d+\.\d+\.\d+", args["TORCH_VERSION"])
         assert args["TORCH_INDEX_URL"].endswith("/cpu" if name.endswith("cpu") else "/cu128")
     else:
-        assert "torch" not in runs.replace("'torch' in sys.modules", ""), (
-            "torch-free images must not install torch"
-        )
-        assert "'torch' in sys.modules" in runs, (
-            "the build must prove the component imports without torch"
-        )
+        assert "torch" not in runs.replace("'torch' in sys.modules", ""), "torch-free images must not install torch"
+        assert "'torch' in sys.modules" in runs, "the build must prove the component imports without torch"
 
     users = [args for op, args in final if op == "USER"]
-    assert users and users[-1].split(":")[0] not in ("root", "0"), (
-        "the final stage must run as non-root"
-    )
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the final stage must run as non-root"
     assert re.search(r"useradd .*--uid 10001", " ".join(a for op, a in final if op == "RUN"))
-    assert ("COPY", "--from=build /opt/venv /opt/venv") in final, (
-        "the final stage takes only the venv"
-    )
+    assert ("COPY", "--from=build /opt/venv /opt/venv") in final, "the final stage takes only the venv"
     (entry,) = [json.loads(args) for op, args in final if op == "ENTRYPOINT"]
     assert entry == ["meshlm", "serve", component]
-    assert not [a for op, a in final if op == "RUN" and "pip install" in a], (
-        "no installs in the final stage"
-    )
+    assert not [a for op, a in final if op == "RUN" and "pip install" in a], "no installs in the final stage"
 
 
 def test_dockerignore() -> None:
@@ -101,11 +89,9 @@ def test_dockerignore() -> None:
 
 def test_charts_pull_the_images_the_dockerfiles_build() -> None:
     """Each Dockerfile's documented `docker build -t` tag is what the charts use by default."""
-    assert {p.name.removesuffix(".Dockerfile") for p in DOCKER_DIR.glob("*.Dockerfile")} == set(
-        IMAGES
-    )
+    assert {p.name.removesuffix(".Dockerfile") for p in DOCKER_DIR.glob("*.Dockerfile")} == set(IMAGES)
     tags = set()
-    for name, (component, _) in IMAGES.items():
+    for name in IMAGES:
         header = (DOCKER_DIR / f"{name}.Dockerfile").read_text()
         argv = shlex.split(re.search(r"docker build (.*)", header).group(1))
         assert argv[argv.index("-f") + 1] == f"deploy/docker/{name}.Dockerfile" and argv[-1] == "."

@@ -40,8 +40,7 @@ def _chart_yaml(chart: str) -> dict[str, Any]:
 
 
 def _defined(chart_dir: Path) -> set[str]:
-    return {n for f in (chart_dir / "templates").rglob("*") if f.is_file()
-            for n in DEFINE.findall(f.read_text())}
+    return {n for f in (chart_dir / "templates").rglob("*") if f.is_file() for n in DEFINE.findall(f.read_text())}
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -77,9 +76,7 @@ def test_component_charts_depend_on_the_one_library() -> None:
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
-def test_components_render_the_same_standalone_and_in_the_umbrella(
-    value_set: str, umbrella: Path
-) -> None:
+def test_components_render_the_same_standalone_and_in_the_umbrella(value_set: str, umbrella: Path) -> None:
     """Standalone, a chart uses its own copy of the library; in the umbrella one definition of each
     shared template serves all subcharts. Both must give every component the same objects."""
     values = {} if value_set == "default" else example(value_set)
@@ -106,8 +103,11 @@ def test_shared_labels_name_the_calling_chart(chart: str) -> None:
     """The library reads the caller's context: chart label and version are the component chart's,
     and every selector the library renders selects the workload's pods."""
     meta = _chart_yaml(chart)
-    values = {"metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
-              "autoscaling": {"enabled": True}, "pdb": {"enabled": True}}
+    values = {
+        "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
+        "autoscaling": {"enabled": True},
+        "pdb": {"enabled": True},
+    }
     docs = manifests(render(HELM_DIR / chart, values))
     (w,) = workloads(docs)
     pod_labels = w["spec"]["template"]["metadata"]["labels"]
@@ -120,9 +120,7 @@ def test_shared_labels_name_the_calling_chart(chart: str) -> None:
     (pdb,) = by_kind(docs, "PodDisruptionBudget")
     assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
     (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
-    assert hpa["spec"]["scaleTargetRef"] == {
-        "apiVersion": "apps/v1", "kind": w["kind"], "name": w["metadata"]["name"]
-    }
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": w["kind"], "name": w["metadata"]["name"]}
     headless = [s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"]
     assert len(headless) == 1 and selects(headless[0]["spec"]["selector"], pod_labels)
     (sm,) = by_kind(docs, "ServiceMonitor")

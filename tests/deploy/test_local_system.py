@@ -11,7 +11,7 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 import pytest
@@ -25,10 +25,8 @@ from .kubelet import LocalCluster
 API_KEY = "deploy-test-key"
 
 
-def post(url: str, body: dict[str, Any], key: Optional[str]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def post(url: str, body: dict[str, Any], key: str | None) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -38,7 +36,7 @@ def post(url: str, body: dict[str, Any], key: Optional[str]) -> tuple[int, dict[
         return e.code, json.loads(e.read() or b"{}")
 
 
-def plaintext_health(address: str) -> Optional[int]:
+def plaintext_health(address: str) -> int | None:
     """grpc.health.v1 Check over a plaintext channel: the status, or None when refused."""
     try:
         with grpc.insecure_channel(address) as ch:

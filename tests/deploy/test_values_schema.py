@@ -7,8 +7,9 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import helm_python as helm
 import pytest
@@ -36,9 +37,7 @@ def _objects(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[s
 
 
 def test_generated_files_are_current() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(HELM_DIR / "generate.py"), "--check"], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, str(HELM_DIR / "generate.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -47,9 +46,7 @@ def test_every_object_is_closed(chart: str) -> None:
     open_objects = []
     for path, node in _objects(_schema(chart)):
         if "additionalProperties" in node:
-            assert node["additionalProperties"] is False or isinstance(
-                node["additionalProperties"], dict
-            ), path
+            assert node["additionalProperties"] is False or isinstance(node["additionalProperties"], dict), path
         elif PASS_THROUGH in node.get("description", ""):
             assert "properties" not in node, path
         elif path.endswith("/global") and not path.count("/global/"):
@@ -57,10 +54,7 @@ def test_every_object_is_closed(chart: str) -> None:
         else:
             open_objects.append(path)
     assert not open_objects, f"{chart}: objects without additionalProperties: {open_objects}"
-    assert (
-        _schema(chart)["properties"]["global"]["properties"]["meshlm"]["additionalProperties"]
-        is False
-    )
+    assert _schema(chart)["properties"]["global"]["properties"]["meshlm"]["additionalProperties"] is False
 
 
 K8S_TYPES = {
@@ -95,9 +89,7 @@ def test_values_yaml_documents_every_key(chart: str) -> None:
         j = i - 1
         while j >= 0 and lines[j].strip().startswith("#    "):
             j -= 1
-        assert lines[j].strip().startswith("# -- "), (
-            f"{chart}/values.yaml:{i + 1} {line.strip()!r} is undocumented"
-        )
+        assert lines[j].strip().startswith("# -- "), f"{chart}/values.yaml:{i + 1} {line.strip()!r} is undocumented"
         nxt = lines[i + 1] if i + 1 < len(lines) else ""
         if m.group(3) == "" and not nxt.strip().startswith("#"):
             default_block = indent
@@ -166,9 +158,7 @@ def test_invalid_scheduler_values_are_rejected(values: dict[str, Any], message: 
         ),
     ],
 )
-def test_umbrella_rejects_invalid_values(
-    values: dict[str, Any], message: str, umbrella: Path
-) -> None:
+def test_umbrella_rejects_invalid_values(values: dict[str, Any], message: str, umbrella: Path) -> None:
     with pytest.raises(helm.HelmValuesError) as err:
         render(umbrella, values)
     assert message in str(err.value)
@@ -236,9 +226,7 @@ def test_charts_share_one_values_shape() -> None:
     ]
     for key in shared:
         shapes = {
-            c: json.dumps(
-                {**s[key], "description": ""} if key != "image" else sorted(s[key]["properties"])
-            )
+            c: json.dumps({**s[key], "description": ""} if key != "image" else sorted(s[key]["properties"]))
             for c, s in schemas.items()
         }
         assert len({v for v in shapes.values()}) == 1 or key in ("replicaCount", "resources"), (
@@ -248,9 +236,7 @@ def test_charts_share_one_values_shape() -> None:
     for c, s in schemas.items():
         assert s["service"]["properties"]["port"]["type"] == "integer"
         assert set(s["metrics"]["properties"]) == (
-            {"enabled", "serviceMonitor"}
-            if c == "meshlm-gateway"
-            else {"enabled", "port", "serviceMonitor"}
+            {"enabled", "serviceMonitor"} if c == "meshlm-gateway" else {"enabled", "port", "serviceMonitor"}
         )
 
 
@@ -261,9 +247,5 @@ def test_umbrella_dependencies_match_the_charts() -> None:
     assert deps["decode"]["name"] == "meshlm-scheduler"
     for alias, dep in deps.items():
         chart = yaml.safe_load((HELM_DIR / dep["name"] / "Chart.yaml").read_text())
-        assert (
-            dep["repository"] == f"file://../{dep['name']}" and dep["version"] == chart["version"]
-        )
-        assert (
-            dep["condition"] == f"{alias}.enabled" and chart["appVersion"] == umbrella["appVersion"]
-        )
+        assert dep["repository"] == f"file://../{dep['name']}" and dep["version"] == chart["version"]
+        assert dep["condition"] == f"{alias}.enabled" and chart["appVersion"] == umbrella["appVersion"]

@@ -36,9 +36,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):  # noqa: N802 (gRPC method name)
         with self._lock:
             for rs in request.resource_spans:
-                service = next(
-                    (a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), ""
-                )
+                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
                 for ss in rs.scope_spans:
                     for s in ss.spans:
                         self.spans.append(

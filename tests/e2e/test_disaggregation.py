@@ -10,7 +10,7 @@ import json
 import signal
 import time
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -87,7 +87,10 @@ def test_openai_chat_stream(pd_system: System) -> None:
     stream = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
         messages=[{"role": "user", "content": "Count from 1 to 5."}],
-        max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True},
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -98,11 +101,13 @@ def test_openai_chat_stream(pd_system: System) -> None:
 
 def _open_stream(system: System, max_new_tokens: int, events: int):
     """A streaming /generate, returned once `events` SSE data lines have arrived."""
-    body = json.dumps({
-        "text": "Tell me a very long story about the sea.",
-        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-        "stream": True,
-    }).encode()
+    body = json.dumps(
+        {
+            "text": "Tell me a very long story about the sea.",
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+            "stream": True,
+        }
+    ).encode()
     req = urllib.request.Request(system.http_url + "/generate", data=body, method="POST")
     req.add_header("Content-Type", "application/json")
     resp = urllib.request.urlopen(req, timeout=60)  # noqa: S310 (loopback)

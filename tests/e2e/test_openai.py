@@ -29,8 +29,10 @@ def test_models(client: openai.OpenAI, model: str) -> None:
 
 def test_chat_non_stream_and_usage(client: openai.OpenAI, model: str) -> None:
     r = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=16,
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=16,
     )
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].message.role == "assistant"
@@ -40,8 +42,12 @@ def test_chat_non_stream_and_usage(client: openai.OpenAI, model: str) -> None:
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI, model: str) -> None:
-    kw = dict(model=model, messages=[{"role": "user", "content": "Write a haiku about the sea."}],
-              temperature=0, max_tokens=24)
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+        temperature=0,
+        max_tokens=24,
+    )
     full = client.chat.completions.create(**kw).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -51,8 +57,9 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI, model: str) -> Non
 
 
 def test_completions_n2_logprobs_echo_stop(client: openai.OpenAI, model: str) -> None:
-    r = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8, n=2,
-                                  temperature=0.9, seed=7, logprobs=2)
+    r = client.completions.create(
+        model=model, prompt="The quick brown fox", max_tokens=8, n=2, temperature=0.9, seed=7, logprobs=2
+    )
     assert len(r.choices) == 2 and {c.index for c in r.choices} == {0, 1}
     for c in r.choices:
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) > 0
@@ -110,7 +117,10 @@ def test_bad_requests_keep_server_serving(system: System, client: openai.OpenAI,
 
 def test_non_ascii_and_emoji_stream_cleanly(client: openai.OpenAI, model: str) -> None:
     stream = client.chat.completions.create(
-        model=model, stream=True, temperature=0, max_tokens=48,
+        model=model,
+        stream=True,
+        temperature=0,
+        max_tokens=48,
         messages=[{"role": "user", "content": "Réponds en français avec des emoji 🌊: 你好吗？"}],
     )
     deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]

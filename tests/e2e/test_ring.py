@@ -9,7 +9,6 @@ import time
 import urllib.request
 
 import grpc
-import pytest
 
 from meshlm.launch.launcher import System
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -34,8 +33,13 @@ def test_grpc_generate_streams_tokens(system: System) -> None:
         async with grpc.aio.insecure_channel(system.grpc_address) as ch:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(ch)
             req = tokenizer_pb2.GenerateRequest(
-                prompts=[tokenizer_pb2.Prompt(messages=tokenizer_pb2.ChatMessages(
-                    messages=[tokenizer_pb2.ChatMessage(role="user", content="Count from 1 to 10.")]))],
+                prompts=[
+                    tokenizer_pb2.Prompt(
+                        messages=tokenizer_pb2.ChatMessages(
+                            messages=[tokenizer_pb2.ChatMessage(role="user", content="Count from 1 to 10.")]
+                        )
+                    )
+                ],
                 sampling_params=common_pb2.SamplingParams(temperature=0.0, max_new_tokens=24),
                 stream=True,
             )
@@ -50,11 +54,13 @@ def test_grpc_generate_streams_tokens(system: System) -> None:
 
 
 def test_client_disconnect_frees_kv_within_2s(system: System) -> None:
-    body = json.dumps({
-        "text": "Tell me a very long story about the sea.",
-        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
-        "stream": True,
-    }).encode()
+    body = json.dumps(
+        {
+            "text": "Tell me a very long story about the sea.",
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+            "stream": True,
+        }
+    ).encode()
     req = urllib.request.Request(system.http_url + "/generate", data=body, method="POST")
     req.add_header("Content-Type", "application/json")
     resp = urllib.request.urlopen(req, timeout=60)  # noqa: S310 (loopback)

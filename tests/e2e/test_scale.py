@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest

@@ -5,16 +5,16 @@ tokenizer's public API refuses a plaintext client and a client of another CA, an
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from meshlm.common.tls import sync_channel
 from meshlm.launch.launcher import System, free_port
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-
 from tests.tls_certs import Pki, make_pki
 
 from .conftest import http_json, start_system
@@ -29,9 +29,7 @@ class Ring:
 def ring(smollm_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ring]:
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     health_port = free_port()
-    system = start_system(
-        smollm_path, tls=pki.tls(), tokenizer_args=("--health-port", str(health_port))
-    )
+    system = start_system(smollm_path, tls=pki.tls(), tokenizer_args=("--health-port", str(health_port)))
     yield Ring(system, pki, health_port)
     system.stop()
 
@@ -65,9 +63,8 @@ def test_every_link_under_mtls_completes_a_request(ring: Ring) -> None:
 
 
 def test_plaintext_client_is_rejected(ring: Ring) -> None:
-    with grpc.insecure_channel(ring.system.grpc_address) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            _tokenize(ch)
+    with grpc.insecure_channel(ring.system.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
+        _tokenize(ch)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -79,14 +76,12 @@ def test_client_of_another_ca_is_rejected(ring: Ring, tmp_path: Path) -> None:
         private_key=other.key_file.read_bytes(),
         certificate_chain=other.cert_file.read_bytes(),
     )
-    with grpc.secure_channel(ring.system.grpc_address, impostor) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            _tokenize(ch)
+    with grpc.secure_channel(ring.system.grpc_address, impostor) as ch, pytest.raises(grpc.RpcError) as err:
+        _tokenize(ch)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     no_cert = grpc.ssl_channel_credentials(root_certificates=ring.pki.ca_file.read_bytes())
-    with grpc.secure_channel(ring.system.grpc_address, no_cert) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            _tokenize(ch)
+    with grpc.secure_channel(ring.system.grpc_address, no_cert) as ch, pytest.raises(grpc.RpcError) as err:
+        _tokenize(ch)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 

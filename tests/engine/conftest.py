@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from meshlm.scheduler.engine import Engine
-
 from tests.golden import (  # noqa: F401 (re-exported for the engine tests)
     CHAT_PROMPTS,
     GOLDEN_NEW_TOKENS,

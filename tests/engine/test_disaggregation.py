@@ -53,7 +53,9 @@ def test_greedy_tokens_and_logprobs_match_hf(pair, golden) -> None:
 def test_input_logprobs_and_prefix_cache_survive_the_handover(pair, golden) -> None:
     prefill, _ = pair
     g = golden[0]
-    first = prefill.generate_sync(input_ids=g.input_ids, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+    first = prefill.generate_sync(
+        input_ids=g.input_ids, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0
+    )
     again = prefill.generate_sync(input_ids=g.input_ids, sampling_params=GREEDY)
     assert first["output_ids"] == g.output_ids == again["output_ids"]
     assert len(first["meta_info"]["input_token_logprobs"]) == len(g.input_ids)
@@ -94,9 +96,7 @@ def test_abort_mid_decode_frees_both_pools(pair, golden) -> None:
 def test_chunked_paged_handover_matches_hf(smollm_path: str, golden, overrides) -> None:
     prefill, decode = make_pair(smollm_path, **overrides)
     try:
-        results = prefill.generate_batch_sync(
-            [{"input_ids": g.input_ids, "sampling_params": GREEDY} for g in golden]
-        )
+        results = prefill.generate_batch_sync([{"input_ids": g.input_ids, "sampling_params": GREEDY} for g in golden])
         assert [r["output_ids"] for r in results] == [g.output_ids for g in golden]
         assert_pools_whole(prefill)
         assert_pools_whole(decode)
@@ -114,10 +114,15 @@ def test_bad_handover_is_rejected_naming_the_field(pair, golden) -> None:
     async def run() -> None:
         rid, st = decode._register("bad-kv", SamplingParams(max_new_tokens=4))
         try:
-            decode.port.put(PrefilledReq(
-                req=TokenizedGenerateReqInput(rid=rid, input_ids=g.input_ids, sampling_params=SamplingParams(max_new_tokens=4)),
-                output_ids=[g.output_ids[0]], kv=wrong,
-            ))
+            decode.port.put(
+                PrefilledReq(
+                    req=TokenizedGenerateReqInput(
+                        rid=rid, input_ids=g.input_ids, sampling_params=SamplingParams(max_new_tokens=4)
+                    ),
+                    output_ids=[g.output_ids[0]],
+                    kv=wrong,
+                )
+            )
             delta = await asyncio.wait_for(st.queue.get(), 30)
             assert isinstance(delta, TokenDelta)
             decode._output(rid, st, delta)

@@ -40,7 +40,9 @@ def minilm_path() -> str:
 @pytest.fixture(scope="module")
 def minilm(minilm_path: str):
     """16-token prefill chunks: an embedding request must still be encoded in one piece."""
-    eng = Engine(dtype="float32", model_path=minilm_path, max_total_tokens=4096, chunked_prefill_size=16, load_progress=False)
+    eng = Engine(
+        dtype="float32", model_path=minilm_path, max_total_tokens=4096, chunked_prefill_size=16, load_progress=False
+    )
     yield eng
     eng.shutdown()
 

@@ -65,8 +65,12 @@ def engine(smollm_engine: Engine):
 @pytest.fixture(scope="module")
 def small_engine(smollm_path: str):
     """A 128-token context (cheap length checks) and 16-token prefill chunks."""
-    eng = Engine(dtype="float32", 
-        model_path=smollm_path, context_length=128, chunked_prefill_size=16, max_total_tokens=2048,
+    eng = Engine(
+        dtype="float32",
+        model_path=smollm_path,
+        context_length=128,
+        chunked_prefill_size=16,
+        max_total_tokens=2048,
         load_progress=False,
     )
     yield eng
@@ -135,9 +139,14 @@ def test_prefix_reuse_in_waves_with_pages_and_lpm(smollm_path: str, engine: Engi
     shared = common_prefix_len(prompts)
     others = [engine.tokenize("The quick brown fox"), engine.tokenize("def fibonacci(n):")]
     other_out = [engine.generate_sync(input_ids=o, sampling_params=greedy(12))["output_ids"] for o in others]
-    with Engine(dtype="float32", 
-        model_path=smollm_path, page_size=16, schedule_policy="lpm", chunked_prefill_size=64,
-        max_total_tokens=4096, load_progress=False,
+    with Engine(
+        dtype="float32",
+        model_path=smollm_path,
+        page_size=16,
+        schedule_policy="lpm",
+        chunked_prefill_size=64,
+        max_total_tokens=4096,
+        load_progress=False,
     ) as eng:
         stats = eng.scheduler.stats
         before = stats.extend_tokens
@@ -163,12 +172,14 @@ def test_sampling_seed_is_reproducible_when_batched(engine: Engine) -> None:
     seeded = {"temperature": 0.8, "max_new_tokens": 24, "sampling_seed": 1234, "ignore_eos": True}
     alone = engine.generate_sync(input_ids=story, sampling_params=seeded)["output_ids"]
     assert len(alone) == 24
-    res = engine.generate_batch_sync([
-        {"input_ids": chat(engine, "Name a color."), "sampling_params": {"temperature": 1.0, "max_new_tokens": 16}},
-        {"input_ids": story, "sampling_params": seeded},
-        {"input_ids": story, "sampling_params": {**seeded, "sampling_seed": 4321}},
-        {"input_ids": engine.tokenize("The quick brown fox"), "sampling_params": greedy(12)},
-    ])
+    res = engine.generate_batch_sync(
+        [
+            {"input_ids": chat(engine, "Name a color."), "sampling_params": {"temperature": 1.0, "max_new_tokens": 16}},
+            {"input_ids": story, "sampling_params": seeded},
+            {"input_ids": story, "sampling_params": {**seeded, "sampling_seed": 4321}},
+            {"input_ids": engine.tokenize("The quick brown fox"), "sampling_params": greedy(12)},
+        ]
+    )
     assert res[1]["output_ids"] == alone
     assert res[2]["output_ids"] != alone
     top1 = engine.generate_sync(input_ids=story, sampling_params=greedy(24, ignore_eos=True))["output_ids"]
@@ -177,11 +188,13 @@ def test_sampling_seed_is_reproducible_when_batched(engine: Engine) -> None:
 
 def test_top_k_1_equals_greedy(engine: Engine) -> None:
     story = chat(engine, STORY)
-    res = engine.generate_batch_sync([
-        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True)},
-        {"input_ids": story, "sampling_params": {**greedy(24, ignore_eos=True), "temperature": 0.8, "top_k": 1}},
-        {"input_ids": story, "sampling_params": {"temperature": 1.3, "top_p": 0.9, "max_new_tokens": 24}},
-    ])
+    res = engine.generate_batch_sync(
+        [
+            {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True)},
+            {"input_ids": story, "sampling_params": {**greedy(24, ignore_eos=True), "temperature": 0.8, "top_k": 1}},
+            {"input_ids": story, "sampling_params": {"temperature": 1.3, "top_p": 0.9, "max_new_tokens": 24}},
+        ]
+    )
     assert res[0]["output_ids"] == res[1]["output_ids"]
 
 
@@ -192,13 +205,15 @@ def test_penalties_change_the_output(engine: Engine) -> None:
     def max_count(out: list[int]) -> int:
         return max(out.count(t) for t in set(out))
 
-    res = engine.generate_batch_sync([
-        {"input_ids": emoji, "sampling_params": greedy(24, ignore_eos=True)},
-        {"input_ids": emoji, "sampling_params": greedy(24, ignore_eos=True, frequency_penalty=1.5)},
-        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True)},
-        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True, presence_penalty=2.0)},
-        {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True, repetition_penalty=1.5)},
-    ])
+    res = engine.generate_batch_sync(
+        [
+            {"input_ids": emoji, "sampling_params": greedy(24, ignore_eos=True)},
+            {"input_ids": emoji, "sampling_params": greedy(24, ignore_eos=True, frequency_penalty=1.5)},
+            {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True)},
+            {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True, presence_penalty=2.0)},
+            {"input_ids": story, "sampling_params": greedy(24, ignore_eos=True, repetition_penalty=1.5)},
+        ]
+    )
     emoji_plain, emoji_freq, plain, pres, rep = (r["output_ids"] for r in res)
     assert max_count(emoji_freq) < max_count(emoji_plain)
     assert pres != plain and rep != plain
@@ -340,8 +355,12 @@ def _hf_logprobs(hf_smollm, ids: list[int]) -> torch.Tensor:
 
 def _logprob_request(engine: Engine, ids: list[int], start: int = 0) -> dict[str, Any]:
     return engine.generate_sync(
-        input_ids=ids, sampling_params=greedy(4), return_logprob=True, logprob_start_len=start,
-        top_logprobs_num=3, token_ids_logprob=[11, 500, ids[3]],
+        input_ids=ids,
+        sampling_params=greedy(4),
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=3,
+        token_ids_logprob=[11, 500, ids[3]],
     )["meta_info"]
 
 
@@ -399,16 +418,18 @@ def test_cached_prefix_still_returns_input_logprobs(engine: Engine) -> None:
     again = _logprob_request(engine, ids)
     assert again["cached_tokens"] == 0  # the match stops before the first wanted logprob
     assert len(again["input_token_logprobs"]) == len(ids)
-    assert max(
-        abs(a - b) for (a, _), (b, _) in zip(first["input_token_logprobs"][1:], again["input_token_logprobs"][1:])
-    ) < 1e-5
+    assert (
+        max(abs(a - b) for (a, _), (b, _) in zip(first["input_token_logprobs"][1:], again["input_token_logprobs"][1:]))
+        < 1e-5
+    )
     start = 20
     tail = _logprob_request(engine, ids, start)
     assert tail["cached_tokens"] == start - 1  # row start-1 predicts token start: computed again
     assert [t for _, t in tail["input_token_logprobs"]] == ids[start:]
-    assert max(
-        abs(a - b) for (a, _), (b, _) in zip(first["input_token_logprobs"][start:], tail["input_token_logprobs"])
-    ) < 1e-4
+    assert (
+        max(abs(a - b) for (a, _), (b, _) in zip(first["input_token_logprobs"][start:], tail["input_token_logprobs"]))
+        < 1e-4
+    )
     assert len(tail["input_top_logprobs"]) == len(ids) - start
 
 
@@ -492,6 +513,7 @@ def test_requests_after_a_loop_crash_fail_at_once(smollm_path: str) -> None:
     instead of waiting forever."""
     eng = Engine(dtype="float32", model_path=smollm_path, max_total_tokens=1024, load_progress=False)
     try:
+
         def boom() -> None:
             raise RuntimeError("injected failure")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from meshlm.scheduler.engine import Engine
-
 from tests.golden import SCHEDULING_CONFIGS
 
 from .conftest import GOLDEN_NEW_TOKENS, assert_pools_whole
@@ -15,10 +14,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": GOLDEN_NEW_TOKENS}
 
 
 def run_all(engine: Engine, golden, at_once: bool = True, logprobs: bool = False) -> list[dict]:
-    reqs = [
-        {"input_ids": g.input_ids, "sampling_params": GREEDY, "return_logprob": logprobs}
-        for g in golden
-    ]
+    reqs = [{"input_ids": g.input_ids, "sampling_params": GREEDY, "return_logprob": logprobs} for g in golden]
     if at_once:
         return engine.generate_batch_sync(reqs)
     return [engine.generate_batch_sync([r])[0] for r in reqs]
@@ -56,7 +52,9 @@ def test_32_concurrent_requests(engine: Engine, golden) -> None:
 
 @pytest.mark.parametrize("overrides", list(SCHEDULING_CONFIGS.values()), ids=list(SCHEDULING_CONFIGS))
 def test_same_tokens_under_config(smollm_path: str, golden, overrides: dict) -> None:
-    with Engine(dtype="float32", model_path=smollm_path, max_total_tokens=8192, load_progress=False, **overrides) as eng:
+    with Engine(
+        dtype="float32", model_path=smollm_path, max_total_tokens=8192, load_progress=False, **overrides
+    ) as eng:
         results = run_all(eng, golden)
         assert [r["output_ids"] for r in results] == [g.output_ids for g in golden]
         assert_pools_whole(eng)
@@ -67,8 +65,12 @@ def test_small_pool_forces_retraction(smollm_path: str, golden) -> None:
     # conservativeness, admission reserves almost nothing for future outputs, so decoding in a
     # 320-slot pool runs out and must retract (and later recompute) requests.
     many = (golden * 2)[:16]
-    with Engine(dtype="float32", 
-        model_path=smollm_path, max_total_tokens=320, schedule_conservativeness=0.05, load_progress=False
+    with Engine(
+        dtype="float32",
+        model_path=smollm_path,
+        max_total_tokens=320,
+        schedule_conservativeness=0.05,
+        load_progress=False,
     ) as eng:
         results = run_all(eng, many)
         assert [r["output_ids"] for r in results] == [g.output_ids for g in many]

@@ -16,8 +16,14 @@ def test_mixed_batches_keep_golden_tokens_and_logprobs(smollm_path: str, golden)
     # A 16-token chunk spreads the prompts over many rounds: requests whose prompt is done
     # decode inside the batches that prefill the others.
     many = (golden * 3)[:12]
-    with Engine(dtype="float32", model_path=smollm_path, max_total_tokens=8192, load_progress=False,
-                enable_mixed_chunk=True, chunked_prefill_size=16) as eng:
+    with Engine(
+        dtype="float32",
+        model_path=smollm_path,
+        max_total_tokens=8192,
+        load_progress=False,
+        enable_mixed_chunk=True,
+        chunked_prefill_size=16,
+    ) as eng:
         reqs = [{"input_ids": g.input_ids, "sampling_params": GREEDY, "return_logprob": True} for g in many]
         results = eng.generate_batch_sync(reqs)
         assert eng.scheduler.stats.mixed_decode_tokens > 0
@@ -30,8 +36,9 @@ def test_mixed_batches_keep_golden_tokens_and_logprobs(smollm_path: str, golden)
 
 def test_arrivals_during_decode_are_mixed_in(smollm_path: str, golden) -> None:
     """Requests that arrive while others decode prefill in batches that also decode those."""
-    with Engine(dtype="float32", model_path=smollm_path, max_total_tokens=8192, load_progress=False,
-                enable_mixed_chunk=True) as eng:
+    with Engine(
+        dtype="float32", model_path=smollm_path, max_total_tokens=8192, load_progress=False, enable_mixed_chunk=True
+    ) as eng:
 
         async def one(g, delay: float) -> list[int]:
             await asyncio.sleep(delay)
@@ -49,8 +56,15 @@ def test_arrivals_during_decode_are_mixed_in(smollm_path: str, golden) -> None:
 
 def test_mixed_chunk_under_retraction(smollm_path: str, golden) -> None:
     many = (golden * 2)[:16]
-    with Engine(dtype="float32", model_path=smollm_path, max_total_tokens=320, schedule_conservativeness=0.05,
-                load_progress=False, enable_mixed_chunk=True, chunked_prefill_size=16) as eng:
+    with Engine(
+        dtype="float32",
+        model_path=smollm_path,
+        max_total_tokens=320,
+        schedule_conservativeness=0.05,
+        load_progress=False,
+        enable_mixed_chunk=True,
+        chunked_prefill_size=16,
+    ) as eng:
         results = eng.generate_batch_sync([{"input_ids": g.input_ids, "sampling_params": GREEDY} for g in many])
         assert [r["output_ids"] for r in results] == [g.output_ids for g in many]
         assert eng.scheduler.stats.mixed_decode_tokens > 0

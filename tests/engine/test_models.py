@@ -35,9 +35,15 @@ def build_tiny(kind: str, out_dir: Path, tokenizer, **config) -> torch.nn.Module
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        num_hidden_layers=2, vocab_size=len(tokenizer), tie_word_embeddings=False,
-        max_position_embeddings=512, initializer_range=0.1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        initializer_range=0.1,
     )
     common.update(config)
     torch.manual_seed(0)
@@ -63,7 +69,9 @@ def test_tiny_random_model_matches_hf(kind: str, tmp_path: Path, tiny_tokenizer)
         assert len(set(index["weight_map"].values())) > 1
     prompts = [list(tiny_tokenizer(p).input_ids) for p in PROMPTS]
     expected = [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
-    with Engine(dtype="float32", model_path=str(tmp_path), device=TEST_DEVICE, max_total_tokens=2048, load_progress=False) as eng:
+    with Engine(
+        dtype="float32", model_path=str(tmp_path), device=TEST_DEVICE, max_total_tokens=2048, load_progress=False
+    ) as eng:
         ours = eng.scheduler.tp_worker.model_runner.model
         assert ours.lm_head is not ours.model.embed_tokens  # untied head loaded on its own
         sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -81,10 +89,13 @@ def test_bfloat16_matches_hf_bfloat16(smollm_path: str, smollm_tokenizer) -> Non
     for ids in prompts:
         with torch.no_grad():
             gen = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=8, do_sample=False, pad_token_id=smollm_tokenizer.eos_token_id,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=8,
+                do_sample=False,
+                pad_token_id=smollm_tokenizer.eos_token_id,
             )
-        expected.append(gen[0, len(ids):].tolist())
+        expected.append(gen[0, len(ids) :].tolist())
     with Engine(model_path=smollm_path, dtype="bfloat16", max_total_tokens=2048, load_progress=False) as eng:
         assert eng.scheduler.tp_worker.model_runner.dtype is torch.bfloat16
         assert next(eng.scheduler.tp_worker.model_runner.model.parameters()).dtype is torch.bfloat16

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from meshlm.scheduler.engine import Engine
-
 from tests.golden import SCHEDULING_CONFIGS, compute_golden
 
 from .conftest import GOLDEN_NEW_TOKENS, TEST_DEVICE, Golden, assert_pools_whole
@@ -34,8 +33,12 @@ LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.15}
 
 # SmolLM2-135M's attention and MLP shape (9 heads of 64, 3 KV heads, tied embeddings) in 2 layers.
 SMOLLM2_SHAPE = {
-    "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
-    "tie_word_embeddings": True, "initializer_range": 0.05,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.05,
 }
 MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "llama-smollm2-shape": ("llama", SMOLLM2_SHAPE)}
 # On CPU the SmolLM2 golden tests cover that shape with the real weights (and this case would
@@ -156,8 +159,11 @@ def test_input_logprobs_match_hf(engine: Engine, tiny: Tiny) -> None:
         logits = tiny.hf(torch.tensor([ids], device=tiny.hf.device)).logits[0]
     ref = torch.log_softmax(logits.float(), dim=-1).cpu()
     meta = engine.generate_sync(
-        input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 2}, return_logprob=True,
-        logprob_start_len=0, top_logprobs_num=3,
+        input_ids=ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 2},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
     )["meta_info"]
     lps, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
     assert [t for _, t in lps] == ids and lps[0][0] is None
@@ -174,17 +180,27 @@ def test_sampling_controls(engine: Engine, tiny: Tiny) -> None:
     plain = {"max_new_tokens": n, "ignore_eos": True}
     seeded = {**plain, "temperature": 0.8, "sampling_seed": 1234}
     alone = engine.generate_sync(input_ids=ids, sampling_params=seeded)["output_ids"]
-    res = engine.generate_batch_sync([
-        {"input_ids": tiny.golden[0].input_ids, "sampling_params": {"temperature": 1.0, "max_new_tokens": 16}},
-        {"input_ids": ids, "sampling_params": seeded},
-        {"input_ids": ids, "sampling_params": {**seeded, "sampling_seed": 4321}},
-        {"input_ids": ids, "sampling_params": {**plain, "temperature": 0}},
-        {"input_ids": ids, "sampling_params": {**plain, "temperature": 0.8, "top_k": 1}},
-        {"input_ids": ids, "sampling_params": {**plain, "temperature": 1.3, "top_p": 0.9, "min_p": 0.05}},
-        {"input_ids": ids, "sampling_params": {**plain, "temperature": 0, "logit_bias": {"1234": 100.0}}},
-        {"input_ids": ids, "sampling_params": {**plain, "temperature": 0, "frequency_penalty": 1.5,
-                                               "presence_penalty": 1.0, "repetition_penalty": 1.3}},
-    ])
+    res = engine.generate_batch_sync(
+        [
+            {"input_ids": tiny.golden[0].input_ids, "sampling_params": {"temperature": 1.0, "max_new_tokens": 16}},
+            {"input_ids": ids, "sampling_params": seeded},
+            {"input_ids": ids, "sampling_params": {**seeded, "sampling_seed": 4321}},
+            {"input_ids": ids, "sampling_params": {**plain, "temperature": 0}},
+            {"input_ids": ids, "sampling_params": {**plain, "temperature": 0.8, "top_k": 1}},
+            {"input_ids": ids, "sampling_params": {**plain, "temperature": 1.3, "top_p": 0.9, "min_p": 0.05}},
+            {"input_ids": ids, "sampling_params": {**plain, "temperature": 0, "logit_bias": {"1234": 100.0}}},
+            {
+                "input_ids": ids,
+                "sampling_params": {
+                    **plain,
+                    "temperature": 0,
+                    "frequency_penalty": 1.5,
+                    "presence_penalty": 1.0,
+                    "repetition_penalty": 1.3,
+                },
+            },
+        ]
+    )
     out = [r["output_ids"] for r in res]
     assert len(alone) == n and out[1] == alone
     assert out[2] != alone and alone != out[3]  # temperature 0.8 really samples, seeds matter

@@ -36,8 +36,14 @@ GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 # flat over the whole 49K vocabulary (each token ~2e-5 of the mass), so an inverse-CDF draw over
 # all of it lands on a neighbouring id whenever tp=2's logits differ from tp=1's in the last
 # float32 bits (other GEMM blocking; seen on an AVX2 CPU): the ranks agree, the bits do not.
-SEEDED = {"temperature": 0.9, "top_k": 20, "top_p": 0.95, "sampling_seed": 1234, "max_new_tokens": NEW_TOKENS,
-          "ignore_eos": True}
+SEEDED = {
+    "temperature": 0.9,
+    "top_k": 20,
+    "top_p": 0.95,
+    "sampling_seed": 1234,
+    "max_new_tokens": NEW_TOKENS,
+    "ignore_eos": True,
+}
 UNSEEDED = {"temperature": 0.9, "top_k": 20, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 # Small chunks: the long prompt is prefilled in several chunks while the others decode.
 ENGINE_FLAGS = dict(dtype="float32", max_total_tokens=2048, chunked_prefill_size=8, load_progress=False, random_seed=7)
@@ -55,9 +61,15 @@ def build_model(kind: str, kv_heads: int, tied: bool, extra_vocab: int, out_dir:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=128,
-        num_hidden_layers=2, vocab_size=len(tokenizer) + extra_vocab, tie_word_embeddings=tied,
-        max_position_embeddings=512, initializer_range=0.1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=len(tokenizer) + extra_vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=512,
+        initializer_range=0.1,
     )
     torch.manual_seed(0)
     if kind == "qwen2":
@@ -133,7 +145,9 @@ def test_bad_tp_size_fails_fast_naming_tp_size(tmp_path: Path, smollm_tokenizer)
     mc.verify_tp_size(4)  # 4 heads, 2 KV heads replicated twice, intermediate 128
     bad = {
         r"tp_size 6 must divide num_key_value_heads \(4\) or be a multiple of it": (
-            6, {"num_attention_heads": 12, "num_key_value_heads": 4}),
+            6,
+            {"num_attention_heads": 12, "num_key_value_heads": 4},
+        ),
         r"tp_size 4 must divide intermediate_size \(130\)": (4, {"intermediate_size": 130}),
         "tp_size must be 1 for embedding models": (2, {"is_embedding": True}),
     }
@@ -147,7 +161,9 @@ def test_a_dead_rank_stops_rank_0_promptly(tmp_path: Path, smollm_tokenizer) -> 
     """Rank 1 is killed: rank 0's next broadcast fails at once, its loop reports the crash
     (which fails every waiting request), and shutdown leaves no group behind."""
     build_model("llama", 2, False, 0, tmp_path, smollm_tokenizer)
-    with Engine(dtype="float32", model_path=str(tmp_path), tp_size=2, max_total_tokens=2048, load_progress=False) as eng:
+    with Engine(
+        dtype="float32", model_path=str(tmp_path), tp_size=2, max_total_tokens=2048, load_progress=False
+    ) as eng:
         ranks = eng.runtime.tp_ranks
         assert ranks is not None
         ranks.procs[0].kill()

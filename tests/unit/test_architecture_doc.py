@@ -143,11 +143,7 @@ def code_map_paths(readme: str) -> list[str]:
 # ---- the docs ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_file_reference_exists(doc: str) -> None:
-    bad = [
-        f"{ref}: {why}"
-        for ref in sorted(set(file_refs(_read(doc))))
-        if (why := check_file_ref(ref)) is not None
-    ]
+    bad = [f"{ref}: {why}" for ref in sorted(set(file_refs(_read(doc)))) if (why := check_file_ref(ref)) is not None]
     assert not bad, f"{doc} names code that does not exist:\n" + "\n".join(bad)
 
 
@@ -236,8 +232,7 @@ def test_a_wrong_dotted_reference_is_reported(ref: str) -> None:
 def test_methods_nested_and_assigned_names_resolve(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text(
-        "X: int = 1\nclass A:\n    class B:\n        async def f(self): ...\n"
-        "    def g(self): ...\n    h = g\n"
+        "X: int = 1\nclass A:\n    class B:\n        async def f(self): ...\n    def g(self): ...\n    h = g\n"
     )
     assert resolve(src, ["X"]) is None
     assert resolve(src, ["A", "B", "f"]) is None

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from tests.tls_certs import make_pki
+
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.tls import TlsConfig, aio_channel
-
-from tests.tls_certs import make_pki
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -29,9 +29,7 @@ def _free_port() -> int:
 
 
 async def _check(channel: grpc.aio.Channel) -> int:
-    reply = await health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(), timeout=5
-    )
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return reply.status
 
 
@@ -48,9 +46,7 @@ def test_mtls_server_and_plaintext_health_port(tmp_path: Path) -> None:
     health_port = _free_port()
 
     async def run() -> None:
-        server = GrpcServer(
-            ["test.Service"], "127.0.0.1", 0, tls=pki.tls(), health_port=health_port
-        )
+        server = GrpcServer(["test.Service"], "127.0.0.1", 0, tls=pki.tls(), health_port=health_port)
         port = await server.start()
         address = f"127.0.0.1:{port}"
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Optional
 
 import grpc
 import pytest
@@ -51,8 +50,7 @@ def test_backoff_sleeps_through_the_injected_clock():
     assert slept == pytest.approx([0.05, 0.1, 0.1])
 
 
-@pytest.mark.parametrize("kwargs", [{"initial": 0.0}, {"initial": 2.0, "cap": 1.0}, {"factor": 0.5},
-                                    {"jitter": 1.0}])
+@pytest.mark.parametrize("kwargs", [{"initial": 0.0}, {"initial": 2.0, "cap": 1.0}, {"factor": 0.5}, {"jitter": 1.0}])
 def test_backoff_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError, match="backoff needs"):
         Backoff(**kwargs)
@@ -75,8 +73,12 @@ def test_resolve_all_keeps_list_order_drops_repeats_and_dual_stack_v6():
     addrs = ["sched.ns:50051", "127.0.0.1:7", "dual.ns:1", "v6.ns:2", "sched.ns:50051"]
     out = asyncio.run(resolve_all(addrs, names, fake_resolve))
     assert out == ["10.0.0.1:50051", "10.0.0.2:50051", "127.0.0.1:7", "10.0.0.9:1", "[fd00::1]:2"]
-    assert names == {"10.0.0.1:50051": "sched.ns", "10.0.0.2:50051": "sched.ns",
-                     "10.0.0.9:1": "dual.ns", "[fd00::1]:2": "v6.ns"}
+    assert names == {
+        "10.0.0.1:50051": "sched.ns",
+        "10.0.0.2:50051": "sched.ns",
+        "10.0.0.9:1": "dual.ns",
+        "[fd00::1]:2": "v6.ns",
+    }
 
 
 def test_dialer_remembers_the_name_each_endpoint_came_from():
@@ -96,14 +98,19 @@ def test_one_message_limit_both_ways():
 class HealthWatch(PeerStream):
     """A minimal PeerStream: a grpc.health.v1 Watch stream, up at its first reply."""
 
-    def __init__(self, endpoint: Optional[str], dialer: Dialer, candidates: list[str] = ()) -> None:
-        super().__init__("test-peer", "health", dialer, endpoint=endpoint,
-                         backoff=Backoff(initial=0.01, cap=0.05, rng=random.Random(0)))
+    def __init__(self, endpoint: str | None, dialer: Dialer, candidates: list[str] = ()) -> None:
+        super().__init__(
+            "test-peer",
+            "health",
+            dialer,
+            endpoint=endpoint,
+            backoff=Backoff(initial=0.01, cap=0.05, rng=random.Random(0)),
+        )
         self.candidates = list(candidates)
         self.downs: list[tuple[str, bool]] = []
         self.picks = 0
 
-    async def next_endpoint(self) -> Optional[str]:
+    async def next_endpoint(self) -> str | None:
         if self.endpoint is not None:
             return self.endpoint
         self.picks += 1
@@ -178,7 +185,10 @@ def test_peer_set_follows_the_address_list():
         dialer = Dialer()
         changes: list[list[str]] = []
         peers: PeerSet[HealthWatch] = PeerSet(
-            [a1, a2], dialer, lambda ep: HealthWatch(ep, dialer), "health",
+            [a1, a2],
+            dialer,
+            lambda ep: HealthWatch(ep, dialer),
+            "health",
             on_change=lambda ps: changes.append([p.endpoint for p in ps]),
         )
         await peers.refresh()

@@ -28,8 +28,10 @@ def test_a_hello_of_this_version_names_its_peer() -> None:
     assert protocol.check_hello("hello", hello, "scheduler", "Connect") == "tok-1"
 
 
-@pytest.mark.parametrize("version, theirs", [(protocol.PROTOCOL_VERSION + 1, protocol.PROTOCOL_VERSION + 1),
-                                             (0, protocol.UNVERSIONED_PROTOCOL)])
+@pytest.mark.parametrize(
+    "version, theirs",
+    [(protocol.PROTOCOL_VERSION + 1, protocol.PROTOCOL_VERSION + 1), (0, protocol.UNVERSIONED_PROTOCOL)],
+)
 def test_another_version_is_refused_naming_both(version: int, theirs: int) -> None:
     with pytest.raises(ServiceError) as e:
         protocol.check_hello("hello", common_pb2.Hello(peer_id="x", protocol_version=version), "scheduler", "Connect")

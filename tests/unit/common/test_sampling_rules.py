@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import pytest
+
 from meshlm.common.sampling_rules import (
     DEFAULT_MAX_NEW_TOKENS,
     RANGES,

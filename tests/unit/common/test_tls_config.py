@@ -7,14 +7,14 @@ import argparse
 from pathlib import Path
 
 import pytest
+from tests.tls_certs import Pki, make_pki
+
 from meshlm.common.tls import (
     PLAINTEXT,
     TlsConfig,
     add_tls_cli_args,
     validate_health_port,
 )
-
-from tests.tls_certs import Pki, make_pki
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,7 @@ def test_incomplete_sets_are_rejected(pki: Pki, kwargs: dict[str, str], message:
         ("ca_file", "--tls-ca-file"),
     ],
 )
-def test_unreadable_or_non_pem_files_are_rejected(
-    pki: Pki, tmp_path: Path, field: str, flag: str
-) -> None:
+def test_unreadable_or_non_pem_files_are_rejected(pki: Pki, tmp_path: Path, field: str, flag: str) -> None:
     good = {
         "cert_file": str(pki.cert_file),
         "key_file": str(pki.key_file),
@@ -167,6 +165,7 @@ def test_every_component_takes_the_same_flags(pki: Pki, monkeypatch: pytest.Monk
     assert detok.tls == pki.tls() and detok.health_port is None
     svc, _ = scheduler_args([*flags, "--health-port", "8081"])
     assert svc.tls == pki.tls() and svc.health_port == 8081
+
     def gateway(argv: list[str], env: dict[str, str]) -> GatewayConfig:
         p = argparse.ArgumentParser()
         GatewayConfig.add_cli_args(p, environ=env)

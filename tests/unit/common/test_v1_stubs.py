@@ -20,21 +20,19 @@ COMMAND = "python3 scripts/gen_protos.py"
 
 
 def _run(tree: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(tree / "services" / "common"),
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, *argv], cwd=tree, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(tree / "services" / "common"), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, *argv], cwd=tree, env=env, capture_output=True, text=True, timeout=120)
 
 
 def _import(tree: Path) -> subprocess.CompletedProcess[str]:
-    code = ("import meshlm.v1, meshlm.v1.tokenizer_pb2_grpc as m; "
-            "print(meshlm.v1.__file__, m.__file__)")
+    code = "import meshlm.v1, meshlm.v1.tokenizer_pb2_grpc as m; print(meshlm.v1.__file__, m.__file__)"
     return _run(tree, "-c", code)
 
 
 def _snapshot(tree: Path) -> dict[str, tuple[int, bytes]]:
-    return {str(p.relative_to(tree)): (p.stat().st_mtime_ns, p.read_bytes())
-            for p in sorted(tree.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(tree)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(tree.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,6 @@ print("ok")
 
 
 def test_detokenizer_imports_without_torch(smollm_path: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", CODE, smollm_path], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", CODE, smollm_path], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"

@@ -4,8 +4,8 @@ Llama-style byte-fallback tokenizer: streamed deltas add up to the tokenizer's o
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pytest
 from tokenizers import Tokenizer, decoders, models
@@ -36,10 +36,10 @@ def stream(
     detok: IncrementalDetokenizer,
     ids: Sequence[int],
     rid: str = "r",
-    seed: Optional[Seed] = None,
+    seed: Seed | None = None,
     chunk: int = 1,
-    matched_token: Optional[int] = None,
-    matched_str: Optional[str] = None,
+    matched_token: int | None = None,
+    matched_str: str | None = None,
 ) -> list[TextDelta]:
     """Feed `ids` `chunk` at a time (seed on the first step, finish on the last)."""
     seed = seed or Seed()
@@ -101,9 +101,7 @@ def test_emoji_bytes_are_held_back_until_complete(decoder) -> None:
 
 def test_prompt_tail_window(decoder, smollm_tokenizer) -> None:
     prompt, out = encode(decoder, "The sea is"), encode(decoder, " calm and blue today 🌊")
-    deltas = stream(
-        IncrementalDetokenizer(decoder), out, seed=Seed(prompt_tail_ids=tuple(prompt[-5:]))
-    )
+    deltas = stream(IncrementalDetokenizer(decoder), out, seed=Seed(prompt_tail_ids=tuple(prompt[-5:])))
     full, head = smollm_tokenizer.decode(prompt + out), smollm_tokenizer.decode(prompt)
     assert check_stream(deltas) == full[len(head) :] == " calm and blue today 🌊"
 
@@ -117,14 +115,10 @@ def test_unfinished_invalid_bytes_flush_at_finish(decoder, smollm_tokenizer) -> 
 
 def test_stop_string_trimmed_and_no_stop_trim(decoder) -> None:
     ids = encode(decoder, "Hello world. The end")
-    text = check_stream(
-        stream(IncrementalDetokenizer(decoder), ids, matched_str=" The end"), trimmed=True
-    )
+    text = check_stream(stream(IncrementalDetokenizer(decoder), ids, matched_str=" The end"), trimmed=True)
     assert text == "Hello world."
     seed = Seed(no_stop_trim=True)
-    text = check_stream(
-        stream(IncrementalDetokenizer(decoder), ids, seed=seed, matched_str=" The end")
-    )
+    text = check_stream(stream(IncrementalDetokenizer(decoder), ids, seed=seed, matched_str=" The end"))
     assert text == "Hello world. The end"
 
 
@@ -141,36 +135,21 @@ def test_stop_string_partly_streamed_moves_the_final_offset_back(decoder) -> Non
 def test_matched_stop_token_not_in_text(decoder) -> None:
     ids = encode(decoder, "Hello world.")
     period = ids[-1]
-    assert (
-        check_stream(stream(IncrementalDetokenizer(decoder), ids, matched_token=period))
-        == "Hello world"
-    )
-    kept = stream(
-        IncrementalDetokenizer(decoder), ids, seed=Seed(no_stop_trim=True), matched_token=period
-    )
+    assert check_stream(stream(IncrementalDetokenizer(decoder), ids, matched_token=period)) == "Hello world"
+    kept = stream(IncrementalDetokenizer(decoder), ids, seed=Seed(no_stop_trim=True), matched_token=period)
     assert check_stream(kept) == "Hello world."
     eos = encode(decoder, "Hi there") + [IM_END]
     shown = Seed(skip_special_tokens=False)
-    assert (
-        check_stream(stream(IncrementalDetokenizer(decoder), eos, seed=shown, matched_token=IM_END))
-        == "Hi there"
-    )
+    assert check_stream(stream(IncrementalDetokenizer(decoder), eos, seed=shown, matched_token=IM_END)) == "Hi there"
     shown_kept = Seed(skip_special_tokens=False, no_stop_trim=True)
-    text = check_stream(
-        stream(IncrementalDetokenizer(decoder), eos, seed=shown_kept, matched_token=IM_END)
-    )
+    text = check_stream(stream(IncrementalDetokenizer(decoder), eos, seed=shown_kept, matched_token=IM_END))
     assert text == "Hi there<|im_end|>"
 
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("spaces", [True, False])
 def test_skip_special_tokens(decoder, smollm_tokenizer, skip: bool, spaces: bool) -> None:
-    ids = (
-        [IM_START]
-        + encode(decoder, "assistant\nHi there")
-        + [IM_END, IM_START]
-        + encode(decoder, "user")
-    )
+    ids = [IM_START] + encode(decoder, "assistant\nHi there") + [IM_END, IM_START] + encode(decoder, "user")
     seed = Seed(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
     text = check_stream(stream(IncrementalDetokenizer(decoder), ids, seed=seed))
     assert text == smollm_tokenizer.decode(ids, skip_special_tokens=skip)
@@ -195,9 +174,7 @@ def test_one_step_of_many_requests_decodes_once_per_flag_pair(decoder, smollm_to
     longest = max(len(v) for v in streams.values())
     for k in range(longest):
         step = [
-            TokenDelta(
-                rid, ids[k : k + 1], k, seeds[rid] if k == 0 else None, finished=k == len(ids) - 1
-            )
+            TokenDelta(rid, ids[k : k + 1], k, seeds[rid] if k == 0 else None, finished=k == len(ids) - 1)
             for rid, ids in streams.items()
             if k < len(ids)
         ]
@@ -209,24 +186,17 @@ def test_one_step_of_many_requests_decodes_once_per_flag_pair(decoder, smollm_to
             {seeds[d.rid].skip_special_tokens for d in step}
         )
     for rid, ids in streams.items():
-        assert texts[rid] == smollm_tokenizer.decode(
-            ids, skip_special_tokens=seeds[rid].skip_special_tokens
-        )
+        assert texts[rid] == smollm_tokenizer.decode(ids, skip_special_tokens=seeds[rid].skip_special_tokens)
     assert len(detok) == 0
 
 
 def test_reseed_resets_state(decoder) -> None:
     ids = encode(decoder, "Hello world, again and again.")
     detok = IncrementalDetokenizer(decoder)
-    first = [
-        detok.step([TokenDelta("r", ids[k : k + 1], k, Seed() if k == 0 else None)])[0]
-        for k in range(4)
-    ]
+    first = [detok.step([TokenDelta("r", ids[k : k + 1], k, Seed() if k == 0 else None)])[0] for k in range(4)]
     assert sum(len(d.text) for d in first if d) > 0
     [again] = detok.step([TokenDelta("r", ids[:5], 0, Seed())])
-    assert (
-        again is not None and again.started and again.text_offset == 0 and again.token_offset == 0
-    )
+    assert again is not None and again.started and again.text_offset == 0 and again.token_offset == 0
     rest = stream_from(detok, ids, 5)
     assert check_stream([again] + rest) == "Hello world, again and again."
 

@@ -38,15 +38,21 @@ def step(entries: list[tuple], **extra) -> scheduler_pb2.BatchTokenIDOut:
     b = scheduler_pb2.BatchTokenIDOut(scheduler_id="s0")
     for rid, origin, ids, offset, seeded, finished in entries:
         d = b.deltas.add(
-            rid=rid, origin=origin, output_ids=ids, token_offset=offset,
-            completion_tokens=offset + len(ids), prompt_tokens=7,
+            rid=rid,
+            origin=origin,
+            output_ids=ids,
+            token_offset=offset,
+            completion_tokens=offset + len(ids),
+            prompt_tokens=7,
         )
         if seeded:
-            d.seed.CopyFrom(scheduler_pb2.DecodeSeed(
-                skip_special_tokens=True,
-                spaces_between_special_tokens=True,
-                want_logprob_text=extra.get("want_logprob_text", False),
-            ))
+            d.seed.CopyFrom(
+                scheduler_pb2.DecodeSeed(
+                    skip_special_tokens=True,
+                    spaces_between_special_tokens=True,
+                    want_logprob_text=extra.get("want_logprob_text", False),
+                )
+            )
         if finished:
             d.finish_reason.CopyFrom(STOP)
         if "traceparent" in extra:
@@ -177,9 +183,7 @@ def test_logprob_text_only_when_asked(decoder) -> None:
         m.handle_tokens(b)
         [msg] = drain_queue(sub)
         got = msg.strs.deltas[0].logprobs
-        texts = [e.text for e in got.output_token_logprobs] + [
-            got.output_top_logprobs[0].entries[0].text
-        ]
+        texts = [e.text for e in got.output_token_logprobs] + [got.output_top_logprobs[0].entries[0].text]
         assert texts == (["Hello", " world", " world"] if want else ["", "", ""])
 
 
@@ -189,11 +193,7 @@ def test_lost_state_finishes_with_an_error(decoder) -> None:
     m.handle_tokens(step([("x", "t1", ids_of(decoder, " late"), 5, False, False)]))
     [msg] = drain_queue(sub)
     reason = msg.strs.deltas[0].finish_reason
-    assert (
-        reason.type == common_pb2.FINISH_TYPE_ABORT
-        and reason.status_code == 500
-        and "x" in reason.message
-    )
+    assert reason.type == common_pb2.FINISH_TYPE_ABORT and reason.status_code == 500 and "x" in reason.message
     m.handle_tokens(step([("x", "t1", ids_of(decoder, " more"), 6, False, False)]))
     assert drain_queue(sub) == []  # reported once
 

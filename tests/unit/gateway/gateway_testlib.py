@@ -1,16 +1,16 @@
 """Gateway test helpers: a fake TokenizerService (grpc.aio, in a thread) that answers deterministically:
 
-  the output of a prompt is max_new_tokens words " w0", " w1", ... (ids 100, 101, ...), finishing
-  with "length"; a prompt containing "STOP" finishes after one word with matched_str "STOP";
-  a prompt containing "HANG" sends one word (streaming; nothing when not streaming, as a real
-  tokenizer answers a non-stream request at the end) and then waits until the call is cancelled.
+the output of a prompt is max_new_tokens words " w0", " w1", ... (ids 100, 101, ...), finishing
+with "length"; a prompt containing "STOP" finishes after one word with matched_str "STOP";
+a prompt containing "HANG" sends one word (streaming; nothing when not streaming, as a real
+tokenizer answers a non-stream request at the end) and then waits until the call is cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 
@@ -36,8 +36,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.requests: list[Any] = []
         self.cancelled: list[str] = []
         self.aborts: list[tokenizer_pb2.AbortRequest] = []
-        self.error: Optional[tuple[grpc.StatusCode, str]] = None  # Generate fails with this
-        self.abort_finish: Optional[tuple[int, str]] = None  # Generate ends with FINISH_TYPE_ABORT
+        self.error: tuple[grpc.StatusCode, str] | None = None  # Generate fails with this
+        self.abort_finish: tuple[int, str] | None = None  # Generate ends with FINISH_TYPE_ABORT
         self.flush_ok = True
 
     async def Generate(self, request, context):
@@ -54,10 +54,14 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 rid = request.rid if len(request.prompts) * n == 1 else f"{request.rid}_{index}"
                 if self.abort_finish:
                     status, message = self.abort_finish
-                    finish = common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_ABORT, status_code=status,
-                                                     message=message)
-                    yield tokenizer_pb2.GenerateResponse(index=index, finished=True, meta_info=tokenizer_pb2.MetaInfo(
-                        id=rid, finish_reason=finish, prompt_tokens=len(words)))
+                    finish = common_pb2.FinishReason(
+                        type=common_pb2.FINISH_TYPE_ABORT, status_code=status, message=message
+                    )
+                    yield tokenizer_pb2.GenerateResponse(
+                        index=index,
+                        finished=True,
+                        meta_info=tokenizer_pb2.MetaInfo(id=rid, finish_reason=finish, prompt_tokens=len(words)),
+                    )
                     return
                 stop = "STOP" in words
                 count = 1 if stop or "HANG" in words else max_new
@@ -79,25 +83,44 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             text = request.return_text_in_logprobs
             if k == 0 and request.HasField("logprob_start_len"):
                 for i, w in enumerate(words):
-                    lp.input_token_logprobs.append(common_pb2.TokenLogprob(
-                        logprob=-1.0, token_id=i, text=(" " + w if i else w) if text else "", has_logprob=i > 0))
+                    lp.input_token_logprobs.append(
+                        common_pb2.TokenLogprob(
+                            logprob=-1.0, token_id=i, text=(" " + w if i else w) if text else "", has_logprob=i > 0
+                        )
+                    )
                     lp.input_top_logprobs.append(common_pb2.TopLogprobs())
-            lp.output_token_logprobs.append(common_pb2.TokenLogprob(
-                logprob=-0.5, token_id=100 + k, text=f" w{k}" if text else "", has_logprob=True))
-            lp.output_top_logprobs.append(common_pb2.TopLogprobs(entries=[
-                common_pb2.TokenLogprob(logprob=-0.5 - t, token_id=100 + k + t, text=f" w{k + t}" if text else "",
-                                        has_logprob=True)
-                for t in range(request.top_logprobs_num)
-            ]))
+            lp.output_token_logprobs.append(
+                common_pb2.TokenLogprob(logprob=-0.5, token_id=100 + k, text=f" w{k}" if text else "", has_logprob=True)
+            )
+            lp.output_top_logprobs.append(
+                common_pb2.TopLogprobs(
+                    entries=[
+                        common_pb2.TokenLogprob(
+                            logprob=-0.5 - t, token_id=100 + k + t, text=f" w{k + t}" if text else "", has_logprob=True
+                        )
+                        for t in range(request.top_logprobs_num)
+                    ]
+                )
+            )
         finished = k == count - 1
         finish = None
         if finished:
-            finish = (common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_STOP, matched_str="STOP") if stop
-                      else common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_LENGTH, length=count))
-        meta = tokenizer_pb2.MetaInfo(id=rid, finish_reason=finish, prompt_tokens=len(words), completion_tokens=k + 1,
-                                      cached_tokens=1, logprobs=lp)
-        return tokenizer_pb2.GenerateResponse(index=index, text=f" w{k}", output_ids=[100 + k], meta_info=meta,
-                                              finished=finished)
+            finish = (
+                common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_STOP, matched_str="STOP")
+                if stop
+                else common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_LENGTH, length=count)
+            )
+        meta = tokenizer_pb2.MetaInfo(
+            id=rid,
+            finish_reason=finish,
+            prompt_tokens=len(words),
+            completion_tokens=k + 1,
+            cached_tokens=1,
+            logprobs=lp,
+        )
+        return tokenizer_pb2.GenerateResponse(
+            index=index, text=f" w{k}", output_ids=[100 + k], meta_info=meta, finished=finished
+        )
 
     @staticmethod
     def _merge(responses):
@@ -109,14 +132,16 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             meta = tokenizer_pb2.MetaInfo()
             meta.CopyFrom(r.meta_info)
             meta.logprobs.CopyFrom(lp)
-            whole = tokenizer_pb2.GenerateResponse(index=r.index, text=text, output_ids=ids, meta_info=meta,
-                                                   finished=r.finished)
+            whole = tokenizer_pb2.GenerateResponse(
+                index=r.index, text=text, output_ids=ids, meta_info=meta, finished=r.finished
+            )
         return whole
 
     async def Embed(self, request, context):
-        results = [tokenizer_pb2.EmbeddingResult(index=i, embedding=[0.5, -0.25, float(i)],
-                                                 prompt_tokens=len(prompt_words(p)))
-                   for i, p in enumerate(request.prompts)]
+        results = [
+            tokenizer_pb2.EmbeddingResult(index=i, embedding=[0.5, -0.25, float(i)], prompt_tokens=len(prompt_words(p)))
+            for i, p in enumerate(request.prompts)
+        ]
         return tokenizer_pb2.EmbedResponse(results=results)
 
     async def Abort(self, request, context):
@@ -131,18 +156,31 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         return tokenizer_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.tokens))
 
     async def GetModelInfo(self, request, context):
-        return common_pb2.ModelInfo(model_path="/models/test", served_model_name=MODEL, is_generation=True,
-                                    context_length=2048, vocab_size=1000, eos_token_ids=[2])
+        return common_pb2.ModelInfo(
+            model_path="/models/test",
+            served_model_name=MODEL,
+            is_generation=True,
+            context_length=2048,
+            vocab_size=1000,
+            eos_token_ids=[2],
+        )
 
     async def GetServerInfo(self, request, context):
-        load = common_pb2.SchedulerLoad(scheduler_id="s0", num_running_reqs=1, num_queue_reqs=2, num_used_tokens=30,
-                                        max_total_num_tokens=4096)
-        return tokenizer_pb2.ServerInfo(model=await self.GetModelInfo(None, None), schedulers=[load], version="0.1.0",
-                                        tokenizer_id="tok-0", config_json='{"routing": "round_robin"}')
+        load = common_pb2.SchedulerLoad(
+            scheduler_id="s0", num_running_reqs=1, num_queue_reqs=2, num_used_tokens=30, max_total_num_tokens=4096
+        )
+        return tokenizer_pb2.ServerInfo(
+            model=await self.GetModelInfo(None, None),
+            schedulers=[load],
+            version="0.1.0",
+            tokenizer_id="tok-0",
+            config_json='{"routing": "round_robin"}',
+        )
 
     async def FlushCache(self, request, context):
-        return tokenizer_pb2.FlushCacheResponse(success=self.flush_ok,
-                                                message="" if self.flush_ok else "requests are running")
+        return tokenizer_pb2.FlushCacheResponse(
+            success=self.flush_ok, message="" if self.flush_ok else "requests are running"
+        )
 
     async def OpenSession(self, request, context):
         return tokenizer_pb2.OpenSessionResponse(session_id=request.session_id or "generated")
@@ -161,7 +199,7 @@ class FakeTokenizerServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def __enter__(self) -> "FakeTokenizerServer":
+    def __enter__(self) -> FakeTokenizerServer:
         self.thread.start()
         self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         self.address = f"127.0.0.1:{self.port}"

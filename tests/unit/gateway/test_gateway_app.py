@@ -9,8 +9,8 @@ import sys
 
 import openai
 import pytest
-from gateway_testlib import MODEL, UNREACHABLE, make_config
 from fastapi.testclient import TestClient
+from gateway_testlib import MODEL, UNREACHABLE, make_config
 
 from meshlm.gateway.app import create_app
 from meshlm.gateway.config import GatewayConfig
@@ -24,8 +24,9 @@ def keyed_client():
         yield client
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                                     {"Authorization": f"Basic {KEY}"}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}]
+)
 def test_api_key_missing_or_wrong_is_401(keyed_client, headers):
     for path in ("/v1/models", "/get_model_info", "/openapi.json"):
         response = keyed_client.get(path, headers=headers)
@@ -50,7 +51,8 @@ def test_api_key_exemptions(keyed_client):
     assert keyed_client.get("/health").status_code == 503  # no tokenizer, but not 401
     assert keyed_client.get("/health_generate").status_code == 503
     preflight = keyed_client.options(
-        "/v1/models", headers={"Origin": "http://a.b", "Access-Control-Request-Method": "GET"})
+        "/v1/models", headers={"Origin": "http://a.b", "Access-Control-Request-Method": "GET"}
+    )
     assert preflight.status_code == 200
 
 
@@ -75,9 +77,11 @@ def test_unknown_model_is_404(offline_client, model):
     assert response.status_code == 404
     error = response.json()["error"]
     assert error["code"] == "model_not_found" and model in error["message"]
-    for path, body in (("/v1/completions", {"model": model, "prompt": "hi"}),
-                       ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]}),
-                       ("/v1/embeddings", {"model": model, "input": "hi"})):
+    for path, body in (
+        ("/v1/completions", {"model": model, "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/embeddings", {"model": model, "input": "hi"}),
+    ):
         response = offline_client.post(path, json=body)
         assert response.status_code == 404, path
         assert response.json()["error"]["code"] == "model_not_found"
@@ -97,9 +101,24 @@ def test_openapi_served(offline_client):
     doc = offline_client.get("/openapi.json")
     assert doc.status_code == 200
     paths = doc.json()["paths"]
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/v1/models/{model_id}",
-                 "/generate", "/encode", "/health", "/health_generate", "/get_model_info", "/get_server_info",
-                 "/flush_cache", "/abort_request", "/open_session", "/close_session", "/metrics"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/v1/models/{model_id}",
+        "/generate",
+        "/encode",
+        "/health",
+        "/health_generate",
+        "/get_model_info",
+        "/get_server_info",
+        "/flush_cache",
+        "/abort_request",
+        "/open_session",
+        "/close_session",
+        "/metrics",
+    ):
         assert path in paths, path
     docs = offline_client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
@@ -124,19 +143,45 @@ def test_config_flags_env_and_defaults():
 
     default = GatewayConfig.from_cli_args(parser({}).parse_args([]))
     assert default == GatewayConfig()
-    env = {"MESHLM_GATEWAY_PORT": "8001", "MESHLM_GATEWAY_TOKENIZER_ADDRS": "a:1,b:2",
-           "MESHLM_GATEWAY_API_KEY": "k", "MESHLM_GATEWAY_GRACE_PERIOD_S": "2.5"}
+    env = {
+        "MESHLM_GATEWAY_PORT": "8001",
+        "MESHLM_GATEWAY_TOKENIZER_ADDRS": "a:1,b:2",
+        "MESHLM_GATEWAY_API_KEY": "k",
+        "MESHLM_GATEWAY_GRACE_PERIOD_S": "2.5",
+    }
     from_env = GatewayConfig.from_cli_args(parser(env).parse_args([]))
     assert (from_env.port, from_env.tokenizer_addrs, from_env.api_key, from_env.grace_period_s) == (
-        8001, ("a:1", "b:2"), "k", 2.5)
+        8001,
+        ("a:1", "b:2"),
+        "k",
+        2.5,
+    )
     assert GatewayConfig.from_env(env) == from_env
     help_text = parser({"MESHLM_GATEWAY_API_KEY": "s3cr3t"}).format_help()
     assert "MESHLM_GATEWAY_API_KEY" in help_text and "s3cr3t" not in help_text  # --help keeps secrets
     flags = GatewayConfig.from_cli_args(
-        parser(env).parse_args(["--port", "9000", "--tokenizer-addrs", "c:3", "--served-model-name", "m",
-                                "--request-timeout-s", "5", "--log-format", "json"]))
+        parser(env).parse_args(
+            [
+                "--port",
+                "9000",
+                "--tokenizer-addrs",
+                "c:3",
+                "--served-model-name",
+                "m",
+                "--request-timeout-s",
+                "5",
+                "--log-format",
+                "json",
+            ]
+        )
+    )
     assert (flags.port, flags.tokenizer_addrs, flags.served_model_name, flags.request_timeout_s, flags.log_format) == (
-        9000, ("c:3",), "m", 5.0, "json")
+        9000,
+        ("c:3",),
+        "m",
+        5.0,
+        "json",
+    )
     assert flags.api_key == "k"  # env still fills what flags leave out
     with pytest.raises(SystemExit):
         parser({}).parse_args(["--tokenizer-addrs", "no-port"])

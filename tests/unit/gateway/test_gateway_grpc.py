@@ -96,12 +96,32 @@ def gateway_process(fake_tokenizer):
     """`python -m meshlm.gateway` in a subprocess, in front of the fake tokenizer."""
     fake_tokenizer.servicer.__init__()
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO / "services" / d) for d in ("common", "gateway")] + [os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(REPO / "services" / d) for d in ("common", "gateway")] + [os.environ.get("PYTHONPATH", "")]
+        ),
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshlm.gateway", "--tokenizer-addrs", fake_tokenizer.address, "--port", str(port),
-         "--host", "127.0.0.1", "--grace-period-s", "3", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "meshlm.gateway",
+            "--tokenizer-addrs",
+            fake_tokenizer.address,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--grace-period-s",
+            "3",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     base = f"http://127.0.0.1:{port}"
 
@@ -124,16 +144,22 @@ def gateway_process(fake_tokenizer):
 def test_standalone_gateway_and_disconnects(gateway_process, fake_tokenizer):
     proc, base = gateway_process
     fake = fake_tokenizer.servicer
-    response = httpx.post(f"{base}/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=10)
+    response = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=10,
+    )
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == " w0 w1"
 
     # streaming: the client reads the first chunk, then hangs up
-    with httpx.Client(timeout=10) as client:
-        with client.stream("POST", f"{base}/v1/completions",
-                           json={"prompt": "HANG", "stream": True, "rid": "stream-rid"}) as stream:
-            first = next(stream.iter_lines())
-            assert first.startswith("data: ") and "w0" in first
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream(
+            "POST", f"{base}/v1/completions", json={"prompt": "HANG", "stream": True, "rid": "stream-rid"}
+        ) as stream,
+    ):
+        first = next(stream.iter_lines())
+        assert first.startswith("data: ") and "w0" in first
     wait_for(lambda: "stream-rid" in fake.cancelled, 10.0, "the streaming call to be cancelled")
 
     # not streaming: the client gives up (its read timeout) while the tokenizer still works
@@ -141,18 +167,24 @@ def test_standalone_gateway_and_disconnects(gateway_process, fake_tokenizer):
         httpx.post(f"{base}/generate", json={"text": "HANG", "rid": "plain-rid"}, timeout=1.0)
     wait_for(lambda: "plain-rid" in fake.cancelled, 10.0, "the non-stream call to be cancelled")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/chat/completions", timeout=1.0,
-                   json={"messages": [{"role": "user", "content": "HANG"}], "rid": "chat-rid"})
+        httpx.post(
+            f"{base}/v1/chat/completions",
+            timeout=1.0,
+            json={"messages": [{"role": "user", "content": "HANG"}], "rid": "chat-rid"},
+        )
     wait_for(lambda: "chat-rid" in fake.cancelled, 10.0, "the non-stream chat call to be cancelled")
 
     # SIGTERM with a request in flight: it gets the grace period (3 s), then is cancelled; exit 0
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", f"{base}/v1/completions",
-                           json={"prompt": "HANG", "stream": True, "rid": "drain-rid"}) as stream:
-            lines = stream.iter_lines()
-            assert "w0" in next(lines)
-            start = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(20) == 0
-            assert time.monotonic() - start >= 2.5  # the in-flight request got its grace period
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST", f"{base}/v1/completions", json={"prompt": "HANG", "stream": True, "rid": "drain-rid"}
+        ) as stream,
+    ):
+        lines = stream.iter_lines()
+        assert "w0" in next(lines)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert time.monotonic() - start >= 2.5  # the in-flight request got its grace period
     wait_for(lambda: "drain-rid" in fake.cancelled, 10.0, "the in-flight call to be cancelled at shutdown")

@@ -21,7 +21,7 @@ def sse_events(response) -> list:
         if not block:
             continue
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     assert events[-1] == "[DONE]"
     return events[:-1]
@@ -39,18 +39,39 @@ def last_request(fake):
 
 
 def test_completion_maps_request_and_response(client, fake_tokenizer):
-    body = {"model": MODEL, "prompt": "a b c", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7,
-            "stop": "x", "top_k": 5, "min_p": 0.1, "min_tokens": 1, "repetition_penalty": 1.1,
-            "stop_token_ids": [9], "ignore_eos": True, "logit_bias": {"5": 1.5}, "frequency_penalty": 0.2,
-            "presence_penalty": -0.2, "rid": "my-rid", "user": "u"}
+    body = {
+        "model": MODEL,
+        "prompt": "a b c",
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 7,
+        "stop": "x",
+        "top_k": 5,
+        "min_p": 0.1,
+        "min_tokens": 1,
+        "repetition_penalty": 1.1,
+        "stop_token_ids": [9],
+        "ignore_eos": True,
+        "logit_bias": {"5": 1.5},
+        "frequency_penalty": 0.2,
+        "presence_penalty": -0.2,
+        "rid": "my-rid",
+        "user": "u",
+    }
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     out = response.json()
     assert out["object"] == "text_completion" and out["model"] == MODEL and out["id"] == "my-rid"
-    assert out["choices"] == [{"index": 0, "text": " w0 w1 w2", "logprobs": None, "finish_reason": "length",
-                               "matched_stop": None}]
-    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-                            "prompt_tokens_details": {"cached_tokens": 1}}
+    assert out["choices"] == [
+        {"index": 0, "text": " w0 w1 w2", "logprobs": None, "finish_reason": "length", "matched_stop": None}
+    ]
+    assert out["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
     req = last_request(fake_tokenizer)
     assert req.rid == "my-rid" and not req.stream and req.prompts[0].text == "a b c"
     sp = req.sampling_params
@@ -82,8 +103,12 @@ def test_completion_stop_and_logprobs(client, fake_tokenizer):
     out = client.post("/v1/completions", json={"prompt": "x STOP", "logprobs": 2}).json()
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["matched_stop"] == "STOP"
-    assert choice["logprobs"] == {"tokens": [" w0"], "token_logprobs": [-0.5],
-                                  "top_logprobs": [{" w0": -0.5, " w1": -1.5}], "text_offset": [0]}
+    assert choice["logprobs"] == {
+        "tokens": [" w0"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{" w0": -0.5, " w1": -1.5}],
+        "text_offset": [0],
+    }
     req = last_request(fake_tokenizer)
     assert req.return_logprob and req.top_logprobs_num == 2 and req.return_text_in_logprobs
     assert not req.HasField("logprob_start_len")
@@ -103,8 +128,10 @@ def test_completion_echo(client, fake_tokenizer):
 
 
 def test_completion_stream(client, fake_tokenizer):
-    response = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3, "stream": True,
-                                                    "stream_options": {"include_usage": True}})
+    response = client.post(
+        "/v1/completions",
+        json={"prompt": "a", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+    )
     events = sse_events(response)
     assert [e["choices"][0]["text"] for e in events[:-1]] == [" w0", " w1", " w2"]
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
@@ -114,8 +141,9 @@ def test_completion_stream(client, fake_tokenizer):
 
 
 def test_completion_stream_echo_logprobs(client):
-    response = client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2, "stream": True, "echo": True,
-                                                    "logprobs": 1})
+    response = client.post(
+        "/v1/completions", json={"prompt": "a b", "max_tokens": 2, "stream": True, "echo": True, "logprobs": 1}
+    )
     events = sse_events(response)
     assert "".join(e["choices"][0]["text"] for e in events) == "a b w0 w1"
     tokens = sum((e["choices"][0]["logprobs"]["tokens"] for e in events), [])
@@ -127,10 +155,17 @@ def test_completion_stream_echo_logprobs(client):
 
 
 def test_chat(client, fake_tokenizer):
-    body = {"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
-                                         {"role": "user", "content": [{"type": "text", "text": "hi "},
-                                                                      {"type": "text", "text": "there"}]}],
-            "max_tokens": 50, "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 1}
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+        ],
+        "max_tokens": 50,
+        "max_completion_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
     out = client.post("/v1/chat/completions", json=body).json()
     assert out["object"] == "chat.completion"
     choice = out["choices"][0]
@@ -148,9 +183,16 @@ def test_chat(client, fake_tokenizer):
 
 
 def test_chat_stream(client):
-    response = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2, "stream": True,
-        "stream_options": {"include_usage": True}})
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     events = sse_events(response)
     by_index: dict[int, list] = {}
     for e in events[:-1]:
@@ -167,11 +209,19 @@ def test_chat_stream(client):
 
 def test_openai_client_end_to_end(client):
     api = oai(client)
-    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                       seed=1, temperature=0)
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, seed=1, temperature=0
+    )
     assert chat.choices[0].message.content == " w0 w1 w2" and chat.usage.total_tokens == 4
-    chunks = list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=2, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " w0 w1"
     assert chunks[-1].usage.completion_tokens == 2
     completion = api.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=1)
@@ -193,11 +243,17 @@ def test_embeddings_float(client):
 # ---------------------------------------------------------------------------- errors from the tokenizer
 
 
-@pytest.mark.parametrize("code,status", [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
-    (grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.INTERNAL, 500),
-])
+@pytest.mark.parametrize(
+    "code,status",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_grpc_errors_map_to_http(client, fake_tokenizer, code, status, stream):
     message = "prompt has 5000 tokens but the context length is 2048"
@@ -219,8 +275,9 @@ def test_openai_client_sees_context_error(client, fake_tokenizer):
 @pytest.mark.parametrize("stream", [False, True])
 def test_abort_finish_is_an_error(client, fake_tokenizer, stream):
     fake_tokenizer.servicer.abort_finish = (400, "the prompt is too long (5000 > 2048)")
-    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                         "stream": stream})
+    response = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": stream}
+    )
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "the prompt is too long (5000 > 2048)"
     fake_tokenizer.servicer.abort_finish = (503, "queue full")
@@ -232,8 +289,9 @@ def test_abort_finish_is_an_error(client, fake_tokenizer, stream):
 
 
 def test_generate_single(client, fake_tokenizer):
-    out = client.post("/generate", json={"text": "a b", "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-                                         "rid": "r1"}).json()
+    out = client.post(
+        "/generate", json={"text": "a b", "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "rid": "r1"}
+    ).json()
     assert out["text"] == " w0 w1" and out["output_ids"] == [100, 101]
     meta = out["meta_info"]
     assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "length", "length": 2}
@@ -246,9 +304,17 @@ def test_generate_single(client, fake_tokenizer):
 
 
 def test_generate_batch_and_logprobs(client, fake_tokenizer):
-    out = client.post("/generate", json={
-        "input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
-        "logprob_start_len": 0, "top_logprobs_num": 1, "return_text_in_logprobs": True}).json()
+    out = client.post(
+        "/generate",
+        json={
+            "input_ids": [[1, 2], [3]],
+            "sampling_params": {"max_new_tokens": 1},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 1,
+            "return_text_in_logprobs": True,
+        },
+    ).json()
     assert isinstance(out, list) and [o["index"] for o in out] == [0, 1]
     meta = out[0]["meta_info"]
     assert meta["input_token_logprobs"] == [[None, 0, "1"], [-1.0, 1, " 2"]]
@@ -260,8 +326,10 @@ def test_generate_batch_and_logprobs(client, fake_tokenizer):
 
 
 def test_generate_per_prompt_sampling_params(client, fake_tokenizer):
-    out = client.post("/generate", json={"text": ["a", "b"], "rid": ["x", "y"],
-                                         "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3}]}).json()
+    out = client.post(
+        "/generate",
+        json={"text": ["a", "b"], "rid": ["x", "y"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3}]},
+    ).json()
     assert [o["text"] for o in out] == [" w0", " w0 w1 w2"]
     assert [o["meta_info"]["id"] for o in out] == ["x", "y"]
     rids = sorted(r.rid for r in fake_tokenizer.servicer.requests)
@@ -293,9 +361,18 @@ def test_info_routes(client):
     assert info["model_path"] == "/models/test" and info["served_model_name"] == MODEL
     assert info["is_generation"] is True and info["eos_token_ids"] == [2]
     server = client.get("/get_server_info").json()
-    assert server["schedulers"] == [{"scheduler_id": "s0", "num_running_reqs": 1, "num_queue_reqs": 2,
-                                     "num_used_tokens": 30, "max_total_num_tokens": 4096, "token_usage": 0.0,
-                                     "cache_hit_rate": 0.0, "max_running_requests": 0}]
+    assert server["schedulers"] == [
+        {
+            "scheduler_id": "s0",
+            "num_running_reqs": 1,
+            "num_queue_reqs": 2,
+            "num_used_tokens": 30,
+            "max_total_num_tokens": 4096,
+            "token_usage": 0.0,
+            "cache_hit_rate": 0.0,
+            "max_running_requests": 0,
+        }
+    ]
     assert server["context_length"] == 2048 and server["tokenizer_config"] == {"routing": "round_robin"}
     card = client.get(f"/v1/models/{MODEL}").json()
     assert card["root"] == "/models/test" and card["max_model_len"] == 2048
@@ -330,8 +407,10 @@ def test_control_routes(client, fake_tokenizer):
     assert client.post("/close_session", json={"session_id": "s1"}).status_code == 200
     missing = client.post("/close_session", json={"session_id": "nope"})
     assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
-    client.post("/generate", json={"text": "a", "session_params": {"id": "s1", "rid": "r0"},
-                                   "sampling_params": {"max_new_tokens": 1}})
+    client.post(
+        "/generate",
+        json={"text": "a", "session_params": {"id": "s1", "rid": "r0"}, "sampling_params": {"max_new_tokens": 1}},
+    )
     req = last_request(fake_tokenizer)
     assert (req.session_id, req.session_rid) == ("s1", "r0")
 
@@ -343,8 +422,11 @@ def test_incoming_traceparent_is_the_parent(client, fake_tokenizer):
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
         trace.set_tracer_provider(TracerProvider())
     trace_id = "0af7651916cd43dd8448eb211c80319c"
-    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1},
-                headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+    client.post(
+        "/v1/completions",
+        json={"prompt": "a", "max_tokens": 1},
+        headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+    )
     sent = last_request(fake_tokenizer).trace.traceparent
     assert sent.split("-")[1] == trace_id and sent.split("-")[2] != "b7ad6b7169203331"
     client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})  # no header: a new trace
@@ -357,7 +439,13 @@ def test_finish_type_mapping():
     from meshlm.v1 import tokenizer_pb2
 
     out = Output(0)
-    out.add(tokenizer_pb2.GenerateResponse(finished=True, meta_info=tokenizer_pb2.MetaInfo(
-        finish_reason=common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_STOP, matched_token=2))))
+    out.add(
+        tokenizer_pb2.GenerateResponse(
+            finished=True,
+            meta_info=tokenizer_pb2.MetaInfo(
+                finish_reason=common_pb2.FinishReason(type=common_pb2.FINISH_TYPE_STOP, matched_token=2)
+            ),
+        )
+    )
     assert out.openai_finish_reason() == "stop" and out.matched_stop() == 2
     assert out.sglang_finish_reason() == {"type": "stop", "matched": 2}

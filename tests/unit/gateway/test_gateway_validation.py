@@ -80,39 +80,48 @@ def test_invalid_json_is_400(offline_client, path):
     assert "JSON" in error["message"]
 
 
-@pytest.mark.parametrize("content,content_type", [
-    (b"[1, 2]", "application/json"),  # not an object
-    (b"", "application/json"),  # no body
-    (b"prompt=hi", "application/x-www-form-urlencoded"),  # not JSON
-])
+@pytest.mark.parametrize(
+    "content,content_type",
+    [
+        (b"[1, 2]", "application/json"),  # not an object
+        (b"", "application/json"),  # no body
+        (b"prompt=hi", "application/x-www-form-urlencoded"),  # not JSON
+    ],
+)
 def test_body_not_a_json_object_is_400(offline_client, content, content_type):
     response = offline_client.post("/v1/completions", content=content, headers={"content-type": content_type})
     assert_400(response)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"input": ""}, "input"),
-    ({"input": 5}, "input"),
-    ({"input": ["a", ""]}, "input"),
-    ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": ["a", ""]}, "input"),
+        ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ],
+)
 def test_embeddings_bad_input(offline_client, body, param):
     assert_400(offline_client.post("/v1/embeddings", json=body), param)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({}, "text"),
-    ({"text": "a", "input_ids": [1]}, "text"),
-    ({"input_ids": []}, "input_ids"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params"),
-    ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params"),
-    ({"text": "a", "sampling_params": {"no_such_param": 1}}, "sampling_params"),
-    ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params"),
-    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
-    ({"text": "a", "rid": ["x", "y"]}, "rid"),
-    ({"text": "a", "image_data": "http://x/y.png"}, "image_data"),
-    ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "text"),
+        ({"text": "a", "input_ids": [1]}, "text"),
+        ({"input_ids": []}, "input_ids"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params"),
+        ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params"),
+        ({"text": "a", "sampling_params": {"no_such_param": 1}}, "sampling_params"),
+        ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": "a", "rid": ["x", "y"]}, "rid"),
+        ({"text": "a", "image_data": "http://x/y.png"}, "image_data"),
+        ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
+    ],
+)
 def test_generate_bad_input(offline_client, body, param):
     assert_400(offline_client.post("/generate", json=body), param)
 

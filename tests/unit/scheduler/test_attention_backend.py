@@ -54,9 +54,16 @@ def _decode_case(lens: list[int], heads: int, kv_heads: int, dim: int, dtype: to
     b = len(lens)
     new_loc = torch.tensor([int(rows.req_to_token[i + 1, n - 1]) for i, n in enumerate(lens)])
     fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=torch.zeros(b, dtype=torch.int64),
-        positions=torch.tensor(lens) - 1, seq_lens=torch.tensor(lens), req_pool_indices=torch.arange(1, b + 1),
-        out_cache_loc=new_loc, seq_lens_cpu=list(lens), req_to_token_pool=rows, token_to_kv_pool=pool,
+        forward_mode=ForwardMode.DECODE,
+        batch_size=b,
+        input_ids=torch.zeros(b, dtype=torch.int64),
+        positions=torch.tensor(lens) - 1,
+        seq_lens=torch.tensor(lens),
+        req_pool_indices=torch.arange(1, b + 1),
+        out_cache_loc=new_loc,
+        seq_lens_cpu=list(lens),
+        req_to_token_pool=rows,
+        token_to_kv_pool=pool,
     )
     backend.init_forward_metadata(fb)
     layer = RadixAttention(heads, dim, dim**-0.5, kv_heads, 0)
@@ -92,8 +99,15 @@ def test_cpu_kernel_rejects_unsupported_head_layout() -> None:
     kernel = _cpu_backend().kernel
     table = torch.zeros(2, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match="unsupported heads/dim"):
-        kernel(torch.randn(1, 6, 8), torch.zeros(4, 4, 8), torch.zeros(4, 4, 8), table,
-               torch.tensor([1]), torch.tensor([1]), 1.0)
+        kernel(
+            torch.randn(1, 6, 8),
+            torch.zeros(4, 4, 8),
+            torch.zeros(4, 4, 8),
+            table,
+            torch.tensor([1]),
+            torch.tensor([1]),
+            1.0,
+        )
 
 
 @pytest.mark.parametrize("row,length,slot", [(5, 1, 1), (1, 9, 1), (1, 2, 99), (1, 2, -1), (1, 0, 1)])
@@ -116,12 +130,28 @@ def test_cpu_kernel_store_rejects_a_slot_out_of_range_and_writes_nothing() -> No
     new = torch.ones(1, 2, 8)
     for loc in (16, -1):
         with pytest.raises(IndexError, match="out of range"):
-            kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([1]), torch.tensor([1]), 1.0,
-                   new_kv=(new, new, torch.tensor([loc])))
+            kernel(
+                torch.randn(1, 4, 8),
+                k,
+                k.clone(),
+                table,
+                torch.tensor([1]),
+                torch.tensor([1]),
+                1.0,
+                new_kv=(new, new, torch.tensor([loc])),
+            )
     assert not k.any()
     with pytest.raises(ValueError, match="pool's dtype"):
-        kernel(torch.randn(1, 4, 8), k, k.clone(), table, torch.tensor([1]), torch.tensor([1]), 1.0,
-               new_kv=(new.bfloat16(), new.bfloat16(), torch.tensor([1])))
+        kernel(
+            torch.randn(1, 4, 8),
+            k,
+            k.clone(),
+            table,
+            torch.tensor([1]),
+            torch.tensor([1]),
+            1.0,
+            new_kv=(new.bfloat16(), new.bfloat16(), torch.tensor([1])),
+        )
 
 
 def test_loading_the_kernel_keeps_denormals() -> None:

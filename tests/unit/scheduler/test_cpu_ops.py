@@ -14,7 +14,7 @@ from meshlm.scheduler.layers.layernorm import RMSNorm
 from meshlm.scheduler.layers.rotary import RotaryEmbedding
 
 # float32: summation order only; bfloat16: the eager path rounds after every op, C once.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +67,30 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops: CpuOps, dtype, heads, k
     pos = torch.randint(0, 4096, (t,))
     q_size, kv_size = heads * dim, kv_heads * dim
     want_q, want_k = RotaryEmbedding.apply(
-        qkv[:, :q_size].reshape(t, heads, dim), qkv[:, q_size:q_size + kv_size].reshape(t, kv_heads, dim),
+        qkv[:, :q_size].reshape(t, heads, dim),
+        qkv[:, q_size : q_size + kv_size].reshape(t, kv_heads, dim),
         emb.cos_sin(pos, dtype),
     )
     got = qkv.clone()
     ops.rope_neox(got, heads, kv_heads, dim, pos, emb.cos_cache, emb.sin_cache)
     close(got[:, :q_size], want_q.reshape(t, -1), dtype)
-    close(got[:, q_size:q_size + kv_size], want_k.reshape(t, -1), dtype)
-    assert torch.equal(got[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
+    close(got[:, q_size : q_size + kv_size], want_k.reshape(t, -1), dtype)
+    assert torch.equal(got[:, q_size + kv_size :], qkv[:, q_size + kv_size :])
 
 
 def test_rope_batch_paths_agree(ops: CpuOps) -> None:
-    emb = RotaryEmbedding(64, 128, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    emb = RotaryEmbedding(
+        64,
+        128,
+        10000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     pos = torch.tensor([0, 5, 127, 300])  # 300 grows the tables
     qkv = torch.randn(4, 15 * 64)
     eager = emb.batch(pos, torch.float32).rotate_qkv(qkv.clone(), 9, 3, 64)

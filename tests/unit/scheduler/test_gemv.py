@@ -28,10 +28,13 @@ def gguf_weight(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0, scal
     return torch.from_numpy(dequantize(quantize(w, qtype), qtype).copy())
 
 
-@pytest.mark.parametrize(("qtype", "fmt", "bytes_per_weight"), [
-    (GGMLQuantizationType.Q4_1, "q4_1", 0.75), (GGMLQuantizationType.Q8_0, "q8_0", 1.125)])
-def test_dequantized_gguf_weights_are_found_back_exactly(ops: GemvOps, qtype: GGMLQuantizationType,
-                                                         fmt: str, bytes_per_weight: float) -> None:
+@pytest.mark.parametrize(
+    ("qtype", "fmt", "bytes_per_weight"),
+    [(GGMLQuantizationType.Q4_1, "q4_1", 0.75), (GGMLQuantizationType.Q8_0, "q8_0", 1.125)],
+)
+def test_dequantized_gguf_weights_are_found_back_exactly(
+    ops: GemvOps, qtype: GGMLQuantizationType, fmt: str, bytes_per_weight: float
+) -> None:
     w = gguf_weight(qtype, 200, 192)
     g = ops.build(w)
     assert g.format == fmt

@@ -16,8 +16,12 @@ from meshlm.v1 import common_pb2
 def make(kv: torch.Tensor, logprobs: bool) -> PrefilledReq:
     ids = list(range(10, 10 + kv.shape[2]))
     req = TokenizedGenerateReqInput(
-        rid="r1", input_ids=ids, sampling_params=SamplingParams(max_new_tokens=7, temperature=0.5, stop=["x"]),
-        return_logprob=logprobs, logprob_start_len=0 if logprobs else -1, top_logprobs_num=2 if logprobs else 0,
+        rid="r1",
+        input_ids=ids,
+        sampling_params=SamplingParams(max_new_tokens=7, temperature=0.5, stop=["x"]),
+        return_logprob=logprobs,
+        logprob_start_len=0 if logprobs else -1,
+        top_logprobs_num=2 if logprobs else 0,
     )
     msg = PrefilledReq(req=req, output_ids=[42], kv=kv, cached_tokens=3)
     if logprobs:

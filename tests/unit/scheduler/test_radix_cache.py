@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +26,7 @@ class FakeReq:
     origin_input_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     fill_ids: list[int] = field(default_factory=list)
-    req_pool_idx: Optional[int] = None
+    req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     kv_len: int = 0  # positions of the row holding slots
@@ -65,7 +65,7 @@ def test_insert_and_match(P: int) -> None:
     assert len(m.device_indices) == 12
     partial = cache.match_prefix(key[:6] + [999, 998])
     assert len(partial.device_indices) == (6 if P == 1 else 4)  # whole pages only
-    assert cache.match_prefix(key[:P - 1] if P > 1 else []).device_indices.numel() == 0
+    assert cache.match_prefix(key[: P - 1] if P > 1 else []).device_indices.numel() == 0
     assert cache.match_prefix([5, 6, 7, 8]).device_indices.numel() == 0
     # The matched slots are the inserted ones.
     again = cache.match_prefix(key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -30,8 +30,8 @@ def params(vocab: int = V, **kw: Any) -> SamplingParams:
 
 
 def req(
-    prompt: Optional[list[int]] = None,
-    output: Optional[list[int]] = None,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
     eos: frozenset[int] = frozenset(),
     vocab: int = V,
     **kw: Any,
@@ -52,11 +52,28 @@ def info_for(reqs: list[Any], vocab: int = V) -> SamplingBatchInfo:
 def test_defaults_match_sglang() -> None:
     sp = SamplingParams()
     expected = dict(
-        max_new_tokens=128, min_new_tokens=0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
-        frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, stop=None,
-        stop_token_ids=None, ignore_eos=False, skip_special_tokens=True,
-        spaces_between_special_tokens=True, no_stop_trim=False, n=1, logit_bias=None,
-        sampling_seed=None, stream_interval=None, json_schema=None, regex=None, ebnf=None,
+        max_new_tokens=128,
+        min_new_tokens=0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=0.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        repetition_penalty=1.0,
+        stop=None,
+        stop_token_ids=None,
+        ignore_eos=False,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        no_stop_trim=False,
+        n=1,
+        logit_bias=None,
+        sampling_seed=None,
+        stream_interval=None,
+        json_schema=None,
+        regex=None,
+        ebnf=None,
         custom_params=None,
     )
     for name, value in expected.items():
@@ -73,9 +90,7 @@ def test_from_dict_unknown_key_and_none_defaults() -> None:
         SamplingParams.from_dict({"temperature": 0.5, "bogus": 1})
     with pytest.raises(ValueError, match="stop_strs"):
         SamplingParams.from_dict({"stop_strs": ["x"]})
-    sp = SamplingParams.from_dict(
-        {"temperature": None, "top_k": None, "n": None, "max_new_tokens": 7, "top_p": 0.5}
-    )
+    sp = SamplingParams.from_dict({"temperature": None, "top_k": None, "n": None, "max_new_tokens": 7, "top_p": 0.5})
     assert (sp.temperature, sp.top_k, sp.n, sp.max_new_tokens, sp.top_p) == (1.0, -1, 1, 7, 0.5)
     assert SamplingParams(max_new_tokens=None).max_new_tokens is None  # up to the context
     assert SamplingParams(temperature=None, ignore_eos=None).ignore_eos is False
@@ -95,8 +110,7 @@ def test_from_dict_unknown_key_and_none_defaults() -> None:
         ),
         (
             {"stop_token_ids": [V]},
-            f"sampling_params.stop_token_ids[0] = {V} is out of the vocabulary; "
-            f"token ids must be in [0, {V})",
+            f"sampling_params.stop_token_ids[0] = {V} is out of the vocabulary; token ids must be in [0, {V})",
         ),
         (
             {"stop": ["a", ""]},
@@ -308,8 +322,14 @@ def test_logit_bias_and_combined_order() -> None:
     torch.manual_seed(2)
     logits = torch.randn(1, V)
     prompt, out = [4, 5], [5, 6, 6]
-    r = req(prompt=prompt, output=out, repetition_penalty=0.8, frequency_penalty=0.25,
-            presence_penalty=0.5, logit_bias={"6": 3.0, "10": -7.5})
+    r = req(
+        prompt=prompt,
+        output=out,
+        repetition_penalty=0.8,
+        frequency_penalty=0.25,
+        presence_penalty=0.5,
+        logit_bias={"6": 3.0, "10": -7.5},
+    )
     got = _apply([r], logits)[0]
     ref = _ref_repetition(logits[0], set(prompt + out), 0.8)
     for t in set(out):
@@ -400,8 +420,14 @@ def test_greedy_equals_argmax() -> None:
     torch.manual_seed(6)
     logits = torch.randn(6, V)
     logits[0, :4] = 3.0  # ties: argmax picks the first index
-    reqs = [req(temperature=0.0), req(top_k=1, temperature=0.7), req(temperature=0.9),
-            req(top_p=0.3), req(temperature=0.0), req(min_p=0.2, sampling_seed=3)]
+    reqs = [
+        req(temperature=0.0),
+        req(top_k=1, temperature=0.7),
+        req(temperature=0.9),
+        req(top_p=0.3),
+        req(temperature=0.0),
+        req(min_p=0.2, sampling_seed=3),
+    ]
     for batch in (reqs, [reqs[0], reqs[1], reqs[4]]):
         n = len(batch)
         out = Sampler()(logits[:n].clone(), info_for(batch), positions=[0] * n)
@@ -439,17 +465,18 @@ def test_different_seeds_differ_on_flat_distribution() -> None:
     sampler = Sampler()
     vocab = 1000
     infos = [info_for([req(sampling_seed=s, vocab=vocab)], vocab) for s in (1, 2)]
-    seqs = [
-        [int(sampler(_flat_logits(1), inf, positions=[p]).next_token_ids[0]) for p in range(50)]
-        for inf in infos
-    ]
+    seqs = [[int(sampler(_flat_logits(1), inf, positions=[p]).next_token_ids[0]) for p in range(50)] for inf in infos]
     assert sum(x != y for x, y in zip(*seqs)) >= 45
 
 
 def test_seeded_row_independent_of_batch_composition() -> None:
     alone = _draw_seq(5, 20, [])
-    others = [req(temperature=0.0, vocab=1000), req(top_p=0.5, top_k=30, vocab=1000),
-              req(min_p=0.1, sampling_seed=99, vocab=1000), req(temperature=1.7, vocab=1000)]
+    others = [
+        req(temperature=0.0, vocab=1000),
+        req(top_p=0.5, top_k=30, vocab=1000),
+        req(min_p=0.1, sampling_seed=99, vocab=1000),
+        req(temperature=1.7, vocab=1000),
+    ]
     assert _draw_seq(5, 20, others) == alone
     assert _draw_seq(5, 20, others[1:3]) == alone
 
@@ -513,14 +540,18 @@ def test_top_p_large_vocab(peaked: bool) -> None:
 def test_logprobs_are_temperature_scaled_log_softmax() -> None:
     torch.manual_seed(8)
     logits = torch.randn(3, V)
-    reqs = [req(temperature=0.5), req(temperature=0.0, logit_bias={"2": 1.5}),
-            req(temperature=2.0, top_k=4)]
+    reqs = [req(temperature=0.5), req(temperature=0.0, logit_bias={"2": 1.5}), req(temperature=2.0, top_k=4)]
     biased = logits.clone()
     biased[1, 2] += 1.5
     temps = torch.tensor([[0.5], [1.0], [2.0]])
     ref = torch.log_softmax(biased / temps, dim=-1)
-    out = Sampler()(logits.clone(), info_for(reqs), return_logprob=True,
-                    top_logprobs_nums=[3, 0, 5], token_ids_logprobs=[[1, 2], None, [0]])
+    out = Sampler()(
+        logits.clone(),
+        info_for(reqs),
+        return_logprob=True,
+        top_logprobs_nums=[3, 0, 5],
+        token_ids_logprobs=[[1, 2], None, [0]],
+    )
     ids = out.next_token_ids
     assert ids[1] == biased[1].argmax()
     assert out.next_token_logprobs is not None

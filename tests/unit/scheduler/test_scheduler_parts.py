@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,10 +41,23 @@ LAYERS, KV_HEADS, HEAD_DIM = 1, 1, 2
 
 def model_config(context_len: int = 512) -> ModelConfig:
     return ModelConfig(
-        path="tiny", architecture="LlamaForCausalLM", hidden_size=8, num_hidden_layers=LAYERS,
-        num_attention_heads=1, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=16,
-        vocab_size=VOCAB, context_len=context_len, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=True, attention_bias=False, is_embedding=False, eos_token_ids=(2,), hf={},
+        path="tiny",
+        architecture="LlamaForCausalLM",
+        hidden_size=8,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=1,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=16,
+        vocab_size=VOCAB,
+        context_len=context_len,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        is_embedding=False,
+        eos_token_ids=(2,),
+        hf={},
     )
 
 
@@ -56,8 +69,13 @@ def build(tokens: int, page: int, **config: Any) -> tuple[SchedulerParts, list[A
     alloc = TokenToKVPoolAllocator(tokens, page, debug=True)
     kv = MHATokenToKVPool(tokens, page, torch.float32, KV_HEADS, HEAD_DIM, LAYERS)
     memory = SchedulerMemory(
-        req_to_token_pool=rows, allocator=alloc, kv_pool=kv, tree_cache=RadixCache(rows, alloc, page),
-        max_total_num_tokens=alloc.size, max_running_requests=rows.size, vocab_size=VOCAB,
+        req_to_token_pool=rows,
+        allocator=alloc,
+        kv_pool=kv,
+        tree_cache=RadixCache(rows, alloc, page),
+        max_total_num_tokens=alloc.size,
+        max_running_requests=rows.size,
+        vocab_size=VOCAB,
         device=torch.device("cpu"),
     )
     outputs: list[Any] = []
@@ -162,18 +180,20 @@ def test_the_new_token_ratio_decays_per_decode_step_and_resets_when_idle() -> No
 
 
 # ---- InputHandler -------------------------------------------------------------------------------
-def generate(rid: str, ids: list[int], max_new: Optional[int] = 4) -> TokenizedGenerateReqInput:
+def generate(rid: str, ids: list[int], max_new: int | None = 4) -> TokenizedGenerateReqInput:
     return TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=SamplingParams(max_new_tokens=max_new))
 
 
 def test_bad_requests_are_rejected_naming_the_field_and_good_ones_queued() -> None:
     parts, outputs, _ = build(64, 1)
-    parts.inputs.process_input_requests([
-        generate("ok", [5, 6, 7], max_new=None),
-        generate("empty", []),
-        generate("vocab", [5, VOCAB]),
-        generate("long", [5] * 64),
-    ])
+    parts.inputs.process_input_requests(
+        [
+            generate("ok", [5, 6, 7], max_new=None),
+            generate("empty", []),
+            generate("vocab", [5, VOCAB]),
+            generate("long", [5] * 64),
+        ]
+    )
     assert [r.rid for r in parts.state.waiting_queue] == ["ok"]
     # max_new_tokens is clamped to what the pool holds: 63 tokens a request, 3 of them prompt.
     assert parts.state.waiting_queue[0].sampling_params.max_new_tokens == 60
@@ -189,11 +209,13 @@ def test_an_abort_finds_requests_waiting_transferring_and_decoding() -> None:
     decoding = req("job_1", list(range(10, 18)))
     prefill_directly(parts, [decoding])
     kv = torch.zeros(LAYERS, 2, 4, KV_HEADS, HEAD_DIM)
-    parts.inputs.process_input_requests([
-        generate("job_0", [5, 6, 7]),
-        generate("other", [5, 6, 8]),
-        PrefilledReq(req=generate("job_2", [1, 2, 3, 4]), output_ids=[9], kv=kv),
-    ])
+    parts.inputs.process_input_requests(
+        [
+            generate("job_0", [5, 6, 7]),
+            generate("other", [5, 6, 8]),
+            PrefilledReq(req=generate("job_2", [1, 2, 3, 4]), output_ids=[9], kv=kv),
+        ]
+    )
     assert len(parts.state.transfer_queue) == 1
     parts.inputs.process_input_requests([AbortReq(rid="job")])
     reasons = finish_reasons(outputs)
@@ -230,16 +252,19 @@ def _module_level_mutables(path: Path) -> list[str]:
         names = [ast.unparse(t) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
         if names == ["__all__"]:
             continue
-        if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
-            found.append(f"{path.name}:{node.lineno} {names}")
-        elif isinstance(value, ast.Call) and ast.unparse(value.func) not in IMMUTABLE_CALLS:
+        if (
+            isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+            or isinstance(value, ast.Call)
+            and ast.unparse(value.func) not in IMMUTABLE_CALLS
+        ):
             found.append(f"{path.name}:{node.lineno} {names}")
     return found
 
 
 def test_no_module_level_mutable_state_in_the_loop_and_caches() -> None:
     files = [
-        p for pkg in (managers_pkg, mem_cache_pkg, disaggregation_pkg)
+        p
+        for pkg in (managers_pkg, mem_cache_pkg, disaggregation_pkg)
         for p in sorted(Path(pkg.__file__).parent.glob("*.py"))
     ]
     assert len(files) > 20
@@ -254,7 +279,7 @@ def test_each_radix_cache_counts_its_own_accesses() -> None:
     """LRU order comes from a per-cache counter: the same operations give the same access
     times whatever other caches did meanwhile."""
 
-    def run(other: Optional[RadixCache]) -> list[int]:
+    def run(other: RadixCache | None) -> list[int]:
         rows = ReqToTokenPool(4, 64)
         alloc = TokenToKVPoolAllocator(64, 1)
         cache = RadixCache(rows, alloc, 1)

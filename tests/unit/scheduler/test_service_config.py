@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.service.config import SchedulerServiceConfig, build_parser, parse_args
 
@@ -25,10 +26,25 @@ def test_defaults() -> None:
 
 
 def test_flags() -> None:
-    svc, eng = parse_args([
-        "--port", "0", "--scheduler-id", "s1", "--detokenizer-addrs", "a:1, b:2", "--metrics-port", "9100",
-        "--grace-period-s", "5", "--log-format", "json", "--max-total-tokens", "4096", "--disable-radix-cache",
-    ])
+    svc, eng = parse_args(
+        [
+            "--port",
+            "0",
+            "--scheduler-id",
+            "s1",
+            "--detokenizer-addrs",
+            "a:1, b:2",
+            "--metrics-port",
+            "9100",
+            "--grace-period-s",
+            "5",
+            "--log-format",
+            "json",
+            "--max-total-tokens",
+            "4096",
+            "--disable-radix-cache",
+        ]
+    )
     assert svc.detokenizer_addrs == ("a:1", "b:2") and svc.scheduler_id == "s1" and svc.metrics_port == 9100
     assert svc.grace_period_s == 5.0 and svc.log_format == "json"
     assert eng.max_total_tokens == 4096 and eng.disable_radix_cache is True

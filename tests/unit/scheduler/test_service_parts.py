@@ -38,7 +38,10 @@ def drain_queue(conn: Connection) -> list[Any]:
 
 def tracked(rid: str, conn: Connection, finished: bool = False) -> TrackedRequest:
     t = TrackedRequest(
-        rid=rid, origin=conn.origin, conn_id=conn.id, trace=common_pb2.TraceContext(),
+        rid=rid,
+        origin=conn.origin,
+        conn_id=conn.id,
+        trace=common_pb2.TraceContext(),
         seed=scheduler_pb2.DecodeSeed(),
     )
     if finished:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from meshlm.common.finish import AbortStatus, FinishKind, FinishReason
 from meshlm.scheduler.managers.io_struct import (
     BatchEmbeddingOut,
@@ -33,8 +34,9 @@ def test_unset_sampling_fields_are_sglang_defaults() -> None:
 
 
 def test_set_zero_values_are_kept() -> None:
-    pb = common_pb2.SamplingParams(temperature=0.0, top_k=1, max_new_tokens=0, skip_special_tokens=False,
-                                   repetition_penalty=0.7, min_p=0.05)
+    pb = common_pb2.SamplingParams(
+        temperature=0.0, top_k=1, max_new_tokens=0, skip_special_tokens=False, repetition_penalty=0.7, min_p=0.05
+    )
     sp = wire.sampling_params_from_proto(pb)
     assert sp.temperature == 0.0 and sp.top_k == 1 and sp.max_new_tokens == 0
     assert sp.skip_special_tokens is False
@@ -43,10 +45,25 @@ def test_set_zero_values_are_kept() -> None:
 
 def test_sampling_params_round_trip() -> None:
     sp = SamplingParams(
-        max_new_tokens=77, min_new_tokens=3, temperature=0.5, top_p=0.75, top_k=40, min_p=0.1,
-        frequency_penalty=0.25, presence_penalty=-0.5, repetition_penalty=1.25, stop=["\n\n", "END"],
-        stop_token_ids=[2, 7], ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False,
-        no_stop_trim=True, n=2, logit_bias={5: -100.0, 9: 2.5}, sampling_seed=1234, stream_interval=4,
+        max_new_tokens=77,
+        min_new_tokens=3,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        min_p=0.1,
+        frequency_penalty=0.25,
+        presence_penalty=-0.5,
+        repetition_penalty=1.25,
+        stop=["\n\n", "END"],
+        stop_token_ids=[2, 7],
+        ignore_eos=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        no_stop_trim=True,
+        n=2,
+        logit_bias={5: -100.0, 9: 2.5},
+        sampling_seed=1234,
+        stream_interval=4,
         json_schema='{"type": "object"}',
     )
     back = wire.sampling_params_from_proto(wire.sampling_params_to_proto(sp))
@@ -58,9 +75,17 @@ def test_sampling_params_round_trip() -> None:
 
 def test_generate_request_round_trip() -> None:
     req = TokenizedGenerateReqInput(
-        rid="r1", input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0.0, max_new_tokens=9),
-        input_text="hi", return_logprob=True, logprob_start_len=-1, top_logprobs_num=3,
-        token_ids_logprob=[4, 5], stream=True, session_id="s", session_rid="r0",
+        rid="r1",
+        input_ids=[1, 2, 3],
+        sampling_params=SamplingParams(temperature=0.0, max_new_tokens=9),
+        input_text="hi",
+        return_logprob=True,
+        logprob_start_len=-1,
+        top_logprobs_num=3,
+        token_ids_logprob=[4, 5],
+        stream=True,
+        session_id="s",
+        session_rid="r0",
     )
     trace = common_pb2.TraceContext(traceparent="00-aa-bb-01")
     pb = wire.generate_req_to_proto(req, origin="tok-1", trace=trace)
@@ -76,15 +101,18 @@ def test_generate_request_round_trip() -> None:
     assert empty.token_ids_logprob == []
 
 
-@pytest.mark.parametrize("reason", [
-    FinishReason.stopped(2),
-    FinishReason.stopped("\n\n"),
-    FinishReason.stopped(None),
-    FinishReason.at_length(17),
-    FinishReason.aborted("bad temperature", AbortStatus.BAD_REQUEST),
-    FinishReason.aborted("Invalid request: session id s does not exist", AbortStatus.NOT_FOUND),
-    FinishReason.aborted("queue full", AbortStatus.UNAVAILABLE),
-])
+@pytest.mark.parametrize(
+    "reason",
+    [
+        FinishReason.stopped(2),
+        FinishReason.stopped("\n\n"),
+        FinishReason.stopped(None),
+        FinishReason.at_length(17),
+        FinishReason.aborted("bad temperature", AbortStatus.BAD_REQUEST),
+        FinishReason.aborted("Invalid request: session id s does not exist", AbortStatus.NOT_FOUND),
+        FinishReason.aborted("queue full", AbortStatus.UNAVAILABLE),
+    ],
+)
 def test_finish_reason_round_trip(reason: FinishReason) -> None:
     pb = common_pb2.FinishReason.FromString(reason.to_proto().SerializeToString())
     assert FinishReason.from_proto(pb) == reason
@@ -115,13 +143,22 @@ def _delta(rid: str, ids: list[int], finish: FinishReason | None = None, logprob
     lp = None
     if logprobs:
         lp = LogprobDelta(
-            input_token_logprobs=[None, -1.5, -0.25], input_token_ids=[7, 8, 9],
+            input_token_logprobs=[None, -1.5, -0.25],
+            input_token_ids=[7, 8, 9],
             input_top_logprobs=[[(-0.5, 3)], [(-0.75, 4), (-1.0, 5)]],
-            output_token_logprobs=[-0.125] * len(ids), output_top_logprobs=[[(-0.125, t)] for t in ids],
+            output_token_logprobs=[-0.125] * len(ids),
+            output_top_logprobs=[[(-0.125, t)] for t in ids],
             output_token_ids_logprobs=[[(-2.0, 11)] for _ in ids],
         )
-    return TokenDelta(rid=rid, output_ids=list(ids), finish_reason=finish, prompt_tokens=4,
-                      completion_tokens=len(ids), cached_tokens=1, logprobs=lp)
+    return TokenDelta(
+        rid=rid,
+        output_ids=list(ids),
+        finish_reason=finish,
+        prompt_tokens=4,
+        completion_tokens=len(ids),
+        cached_tokens=1,
+        logprobs=lp,
+    )
 
 
 def _step(rids, ids, finished=None, logprobs=False) -> BatchTokenIDOut:
@@ -132,8 +169,9 @@ def test_token_delta_round_trip_with_logprobs() -> None:
     delta = _delta("b", [10, 11], FinishReason.at_length(2), logprobs=True)
     delta.retraction_count = 1
     seed = wire.decode_seed([1, 2, 3, 4, 5, 6, 7], SamplingParams())
-    pb = wire.token_delta_to_proto(delta, origin="t0", token_offset=5, seed=seed,
-                                   trace=common_pb2.TraceContext(traceparent="tp"))
+    pb = wire.token_delta_to_proto(
+        delta, origin="t0", token_offset=5, seed=seed, trace=common_pb2.TraceContext(traceparent="tp")
+    )
     pb = scheduler_pb2.TokenDelta.FromString(pb.SerializeToString())
     assert (pb.rid, pb.origin, pb.token_offset, pb.trace.traceparent) == ("b", "t0", 5, "tp")
     assert pb.HasField("seed") and list(pb.seed.prompt_tail_ids) == [3, 4, 5, 6, 7]
@@ -161,14 +199,20 @@ def test_control_replies() -> None:
     c = wire.control_reply(3, CloseSessionOutput("sid", False, "no"), "s")
     assert c.WhichOneof("msg") == "ack" and c.ack is False
     e = wire.request_error("r", "no detokenizer reachable", 503)
-    assert e.error.rid == "r" and e.error.reason.type == common_pb2.FINISH_TYPE_ABORT and e.error.reason.status_code == 503
+    assert (
+        e.error.rid == "r" and e.error.reason.type == common_pb2.FINISH_TYPE_ABORT and e.error.reason.status_code == 503
+    )
 
 
 # ---- tracker --------------------------------------------------------------------------------
 def _tracked(rid: str, embedding: bool = False) -> TrackedRequest:
     return TrackedRequest(
-        rid=rid, origin="tok", conn_id=1, trace=common_pb2.TraceContext(),
-        seed=wire.decode_seed([1, 2, 3], SamplingParams()), is_embedding=embedding,
+        rid=rid,
+        origin="tok",
+        conn_id=1,
+        trace=common_pb2.TraceContext(),
+        seed=wire.decode_seed([1, 2, 3], SamplingParams()),
+        is_embedding=embedding,
     )
 
 
@@ -180,8 +224,9 @@ def test_tracker_offsets_seeds_and_resync() -> None:
     pb1, _ = tr.token_out(_step(["a", "b"], [[10], [20]], logprobs=True), "s")
     assert [d.HasField("seed") for d in pb1.deltas] == [True, True]
     assert [d.token_offset for d in pb1.deltas] == [0, 0]
-    pb2, _ = tr.token_out(_step(["a", "b"], [[11, 12], [21]], finished={"b": FinishReason.at_length(2)},
-                                logprobs=True), "s")
+    pb2, _ = tr.token_out(
+        _step(["a", "b"], [[11, 12], [21]], finished={"b": FinishReason.at_length(2)}, logprobs=True), "s"
+    )
     assert [d.HasField("seed") for d in pb2.deltas] == [False, False]
     assert [d.token_offset for d in pb2.deltas] == [1, 1]
     assert tr.is_live("a") and not tr.is_live("b") and tr.num_live() == 2

@@ -16,9 +16,16 @@ from meshlm.scheduler.managers.session_controller import SessionController
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
 
-def turn(rid: str, ids: list[int], session: str = "s", prev: str | None = None, max_new: int = 8) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=SamplingParams(max_new_tokens=max_new),
-                                     session_id=session, session_rid=prev)
+def turn(
+    rid: str, ids: list[int], session: str = "s", prev: str | None = None, max_new: int = 8
+) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(
+        rid=rid,
+        input_ids=ids,
+        sampling_params=SamplingParams(max_new_tokens=max_new),
+        session_id=session,
+        session_rid=prev,
+    )
 
 
 def admit(sc: SessionController, recv: TokenizedGenerateReqInput, outputs: list[int] | None = None) -> Req:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from meshlm.tokenizer.hf_tokenizer import ChatTemplateError, HFTokenizer
 
 CONVERSATIONS = {
@@ -52,9 +53,7 @@ def test_chat_template_matches_transformers(ours, smollm_tokenizer, name, add_ge
     want_ids = smollm_tokenizer.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=add_generation_prompt
     )
-    if isinstance(want_ids, dict) or hasattr(
-        want_ids, "keys"
-    ):  # transformers 5 returns a BatchEncoding
+    if isinstance(want_ids, dict) or hasattr(want_ids, "keys"):  # transformers 5 returns a BatchEncoding
         want_ids = want_ids["input_ids"]
     text, ids = ours.chat_ids(messages, add_generation_prompt=add_generation_prompt)
     assert text == want_text
@@ -66,9 +65,7 @@ def test_encode_decode_match_transformers(ours, smollm_tokenizer, text):
     assert ours.encode(text) == smollm_tokenizer.encode(text)
     ids = smollm_tokenizer.encode(text)
     for skip in (True, False):
-        assert ours.decode(ids, skip_special_tokens=skip) == smollm_tokenizer.decode(
-            ids, skip_special_tokens=skip
-        )
+        assert ours.decode(ids, skip_special_tokens=skip) == smollm_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def test_vocab_and_special_tokens(ours, smollm_tokenizer):
@@ -162,6 +159,11 @@ def test_other_template_styles_render_like_transformers(tmp_path: Path, smollm_p
     (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}')
     (tmp_path / "chat_template.jinja").write_text(template)
     messages = CONVERSATIONS[name]
-    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True,
-                                        bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    rendered, _ = render_jinja_template(
+        conversations=[messages],
+        chat_template=template,
+        add_generation_prompt=True,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+    )
     assert HFTokenizer(tmp_path).apply_chat_template(messages, add_generation_prompt=True) == rendered[0]

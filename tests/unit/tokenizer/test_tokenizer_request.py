@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.request import (
     DeltaTracker,
@@ -29,9 +30,7 @@ def ids(*values: int) -> tokenizer_pb2.Prompt:
 
 
 def chat(*turns: tuple[str, str], add_generation_prompt=None) -> tokenizer_pb2.Prompt:
-    msgs = tokenizer_pb2.ChatMessages(
-        messages=[tokenizer_pb2.ChatMessage(role=r, content=c) for r, c in turns]
-    )
+    msgs = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role=r, content=c) for r, c in turns])
     if add_generation_prompt is not None:
         msgs.add_generation_prompt = add_generation_prompt
     return tokenizer_pb2.Prompt(messages=msgs)
@@ -97,9 +96,7 @@ def test_batch_without_n_uses_prompt_index(tok):
 
 def test_chat_prompt_renders_template(tok):
     out = norm(tok, gen(chat(("system", "Be brief."), ("user", "Hi"))))
-    want_text, want_ids = tok.chat_ids(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    )
+    want_text, want_ids = tok.chat_ids([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert out.subs[0].req.input_text == want_text and list(out.subs[0].req.input_ids) == want_ids
     assert want_text.endswith("<|im_start|>assistant\n")  # add_generation_prompt defaults to true
     no_gen = norm(tok, gen(chat(("user", "Hi"), add_generation_prompt=False)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.routing import Router, session_scheduler
 from meshlm.v1 import common_pb2
@@ -12,7 +13,10 @@ from meshlm.v1 import common_pb2
 
 def test_round_robin_cycles_in_order_and_skips_gaps():
     r = Router("round_robin")
-    no_load = lambda i: None
+
+    def no_load(i: int) -> None:
+        return None
+
     assert [r.choose([0, 1, 2], no_load) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     # scheduler 2 disconnected: the cycle continues over the rest
     assert [r.choose([0, 1], no_load) for _ in range(3)] == [1, 0, 1]
@@ -45,9 +49,7 @@ def test_session_ids_name_their_scheduler():
     assert session_scheduler("s2-abc", 3) == 2
     assert session_scheduler("s3-abc", 3) is None  # names a scheduler that is not there
     custom = session_scheduler("my-session", 4)
-    assert (
-        custom == session_scheduler("my-session", 4) and 0 <= custom < 4
-    )  # stable across replicas
+    assert custom == session_scheduler("my-session", 4) and 0 <= custom < 4  # stable across replicas
     assert session_scheduler("anything", 0) is None
 
 
@@ -77,10 +79,7 @@ def test_config_flags_env_and_validation(monkeypatch):
     assert cfg.routing_policy == "shortest_queue" and cfg.port == 0 and cfg.metrics_port == 9100
     assert cfg.tokenizer_id  # generated <hostname>-<pid>-<random>
     assert '"routing_policy": "shortest_queue"' in cfg.to_json()
-    assert (
-        TokenizerConfig.from_env({"MESHLM_TOKENIZER_MAX_QUEUED_REQUESTS": "7"}).max_queued_requests
-        == 7
-    )
+    assert TokenizerConfig.from_env({"MESHLM_TOKENIZER_MAX_QUEUED_REQUESTS": "7"}).max_queued_requests == 7
     with pytest.raises(ValueError, match="routing_policy must be one of"):
         TokenizerConfig(routing_policy="nope")
     with pytest.raises(ValueError, match="address must be host:port"):

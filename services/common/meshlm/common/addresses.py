@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import Awaitable, Callable, Optional, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 Resolver = Callable[[str], Awaitable[list[str]]]
 
 
 def parse_addresses(value: str | list[str] | None) -> list[str]:
-    """"a:1,b:2" or ["a:1", "b:2"] -> ["a:1", "b:2"]; each must be host:port."""
+    """ "a:1,b:2" or ["a:1", "b:2"] -> ["a:1", "b:2"]; each must be host:port."""
     if not value:
         return []
     items = value if isinstance(value, list) else value.split(",")
@@ -27,7 +27,7 @@ def parse_addresses(value: str | list[str] | None) -> list[str]:
     return out
 
 
-def server_name(address: str) -> Optional[str]:
+def server_name(address: str) -> str | None:
     """The DNS name of a configured host:port: what a TLS peer's certificate must carry, even once
     the name is resolved to one IP per pod. None when the host is an IP literal."""
     host = address.rpartition(":")[0].strip("[]")
@@ -54,7 +54,7 @@ async def resolve(address: str) -> list[str]:
 
 async def resolve_all(
     addrs: Sequence[str],
-    names: Optional[dict[str, str]] = None,
+    names: dict[str, str] | None = None,
     resolver: Resolver = resolve,
 ) -> list[str]:
     """Every endpoint of an address list, in list order (each name's addresses sorted), without

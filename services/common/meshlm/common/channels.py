@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -45,15 +46,13 @@ class Backoff:
         cap: float = 1.0,
         factor: float = 2.0,
         jitter: float = 0.2,
-        rng: Optional[random.Random] = None,
+        rng: random.Random | None = None,
         sleep: Sleep = asyncio.sleep,
     ) -> None:
         if not 0 < initial <= cap:
             raise ValueError(f"backoff needs 0 < initial <= cap, got initial={initial} cap={cap}")
         if factor < 1 or not 0 <= jitter < 1:
-            raise ValueError(
-                f"backoff needs factor >= 1 and 0 <= jitter < 1, got {factor}, {jitter}"
-            )
+            raise ValueError(f"backoff needs factor >= 1 and 0 <= jitter < 1, got {factor}, {jitter}")
         self.initial, self.cap, self.factor, self.jitter = initial, cap, factor, jitter
         self._rng = rng or random.Random()
         self._sleep = sleep
@@ -77,7 +76,7 @@ class Dialer:
     always with CHANNEL_OPTIONS. resolve() remembers which DNS name each endpoint came from, so
     channel() checks the peer's certificate against that name."""
 
-    def __init__(self, tls: Optional[TlsConfig] = None, resolver: Resolver = resolve) -> None:
+    def __init__(self, tls: TlsConfig | None = None, resolver: Resolver = resolve) -> None:
         self.tls = tls or PLAINTEXT
         self._resolver = resolver
         self._names: dict[str, str] = {}
@@ -86,7 +85,7 @@ class Dialer:
         """resolve_all of an address list, remembering each endpoint's DNS name."""
         return await resolve_all(addresses, self._names, self._resolver)
 
-    def server_name(self, endpoint: str) -> Optional[str]:
+    def server_name(self, endpoint: str) -> str | None:
         """The DNS name endpoint was resolved from (None: an IP literal or never resolved)."""
         return self._names.get(endpoint)
 

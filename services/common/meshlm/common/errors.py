@@ -1,13 +1,13 @@
 """One error mapping everywhere (DESIGN.md "Errors"): HTTP status <-> gRPC status code.
 
-    bad input          400  INVALID_ARGUMENT
-    missing/bad key    401  UNAUTHENTICATED
-    unknown session    404  NOT_FOUND
-    client went away   499  CANCELLED
-    queue full         503  RESOURCE_EXHAUSTED   (with Retry-After at the gateway)
-    component down     503  UNAVAILABLE
-    deadline           504  DEADLINE_EXCEEDED
-    anything else      500  INTERNAL
+bad input          400  INVALID_ARGUMENT
+missing/bad key    401  UNAUTHENTICATED
+unknown session    404  NOT_FOUND
+client went away   499  CANCELLED
+queue full         503  RESOURCE_EXHAUSTED   (with Retry-After at the gateway)
+component down     503  UNAVAILABLE
+deadline           504  DEADLINE_EXCEEDED
+anything else      500  INTERNAL
 """
 
 from __future__ import annotations
@@ -58,5 +58,5 @@ class ServiceError(Exception):
         return http_status_for_grpc(self.code)
 
     @staticmethod
-    def from_http(status: int, message: str) -> "ServiceError":
+    def from_http(status: int, message: str) -> ServiceError:
         return ServiceError(grpc_code_for_http(status), message)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import grpc
 
@@ -56,22 +56,22 @@ class FinishReason:
     `status_code` only for ABORT (build it with the constructors below)."""
 
     kind: FinishKind
-    matched: Union[int, str, None] = None
+    matched: int | str | None = None
     length: int = 0
     message: str = ""
     status_code: int = 0
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
-    def stopped(cls, matched: Union[int, str, None] = None) -> "FinishReason":
+    def stopped(cls, matched: int | str | None = None) -> FinishReason:
         return cls(FinishKind.STOP, matched=matched)
 
     @classmethod
-    def at_length(cls, length: int) -> "FinishReason":
+    def at_length(cls, length: int) -> FinishReason:
         return cls(FinishKind.LENGTH, length=length)
 
     @classmethod
-    def aborted(cls, message: str, status_code: int = AbortStatus.BAD_REQUEST) -> "FinishReason":
+    def aborted(cls, message: str, status_code: int = AbortStatus.BAD_REQUEST) -> FinishReason:
         return cls(FinishKind.ABORT, message=message, status_code=int(status_code))
 
     # ---- reading ------------------------------------------------------------------------
@@ -85,13 +85,13 @@ class FinishReason:
         return self.is_abort and self.status_code == AbortStatus.CANCELLED
 
     @property
-    def matched_token(self) -> Optional[int]:
+    def matched_token(self) -> int | None:
         """The stop token id that ended the request, if a token did."""
         m = self.matched
         return m if isinstance(m, int) and not isinstance(m, bool) else None
 
     @property
-    def matched_str(self) -> Optional[str]:
+    def matched_str(self) -> str | None:
         """The stop string that ended the request, if a string did."""
         return self.matched if isinstance(self.matched, str) else None
 
@@ -131,7 +131,7 @@ class FinishReason:
         return pb
 
     @classmethod
-    def from_proto(cls, pb: common_pb2.FinishReason) -> Optional["FinishReason"]:
+    def from_proto(cls, pb: common_pb2.FinishReason) -> FinishReason | None:
         """None for an unset field (type UNSPECIFIED: not finished)."""
         kind = _PROTO_TO_KIND.get(pb.type)
         if kind is None:
@@ -142,4 +142,3 @@ class FinishReason:
         if kind is FinishKind.LENGTH:
             return cls.at_length(pb.length)
         return cls(FinishKind.ABORT, message=pb.message, status_code=pb.status_code)
-

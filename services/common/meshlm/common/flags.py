@@ -20,8 +20,9 @@ import argparse
 import os
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Union
 
 from meshlm.common.addresses import parse_addresses
 
@@ -35,9 +36,9 @@ class Flag:
     in --help."""
 
     help: str
-    parse: Optional[Parse] = None
+    parse: Parse | None = None
     aliases: tuple[str, ...] = ()
-    metavar: Optional[str] = None
+    metavar: str | None = None
 
 
 def option(dest: str) -> str:
@@ -117,8 +118,8 @@ def add_config_flags(
     cls: type,
     flags: Mapping[str, Flag],
     *,
-    env_prefix: Optional[str],
-    environ: Optional[Mapping[str, str]] = None,
+    env_prefix: str | None,
+    environ: Mapping[str, str] | None = None,
     dest_prefix: str = "",
 ) -> None:
     """One flag per entry of `flags` (a field of the dataclass `cls`), defaulting to its
@@ -143,19 +144,26 @@ def add_config_flags(
         help_text = f"{flag.help} ({'; '.join(notes)})" if notes else flag.help
         if switch:
             parser.add_argument(
-                option(dest), *flag.aliases, dest=dest, default=default, help=help_text,
+                option(dest),
+                *flag.aliases,
+                dest=dest,
+                default=default,
+                help=help_text,
                 action=argparse.BooleanOptionalAction,
             )
         else:
             parser.add_argument(
-                option(dest), *flag.aliases, dest=dest, default=default, help=help_text,
-                type=parse, metavar=flag.metavar,
+                option(dest),
+                *flag.aliases,
+                dest=dest,
+                default=default,
+                help=help_text,
+                type=parse,
+                metavar=flag.metavar,
             )
 
 
-def config_values(
-    flags: Mapping[str, Flag], ns: argparse.Namespace, dest_prefix: str = ""
-) -> dict[str, Any]:
+def config_values(flags: Mapping[str, Flag], ns: argparse.Namespace, dest_prefix: str = "") -> dict[str, Any]:
     """The fields of `flags` as parsed into ns by add_config_flags."""
     return {name: getattr(ns, dest_prefix + name) for name in flags}
 
@@ -164,7 +172,7 @@ def env_values(
     cls: type,
     flags: Mapping[str, Flag],
     env_prefix: str,
-    environ: Optional[Mapping[str, str]] = None,
+    environ: Mapping[str, str] | None = None,
     dest_prefix: str = "",
 ) -> dict[str, Any]:
     """The fields of `flags` whose environment variables are set, parsed as their flags are."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Awaitable, Callable, Optional, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,8 +40,8 @@ class GrpcServer:
         host: str = "0.0.0.0",
         port: int = 0,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-        tls: Optional[TlsConfig] = None,
-        health_port: Optional[int] = None,
+        tls: TlsConfig | None = None,
+        health_port: int | None = None,
     ) -> None:
         self.server = grpc.aio.server(
             interceptors=list(interceptors),
@@ -54,12 +54,15 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
-        names = self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        names = self.service_names + [
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
         reflection.enable_server_reflection(names, self.server)
         self.address = f"{host}:{port}"
         self.port = 0
         self.tls = tls or PLAINTEXT
-        self.health_server: Optional[grpc.aio.Server] = None
+        self.health_server: grpc.aio.Server | None = None
         self.health_address = f"{host}:{health_port}" if health_port is not None else None
         self._stopped = asyncio.Event()
 
@@ -93,12 +96,14 @@ class GrpcServer:
         await self._start_health_server()
         await self.set_serving(True)
         logger.info(
-            "gRPC %s listening on port %d (%s)", ",".join(self.service_names), self.port,
+            "gRPC %s listening on port %d (%s)",
+            ",".join(self.service_names),
+            self.port,
             ("mTLS" if self.tls.mutual else "TLS") if self.tls.enabled else "plaintext",
         )
         return self.port
 
-    async def stop(self, grace: Optional[float]) -> None:
+    async def stop(self, grace: float | None) -> None:
         """Stop the server and the health server (grace as grpc.aio.Server.stop)."""
         await self.server.stop(grace)
         if self.health_server is not None:
@@ -110,7 +115,7 @@ class GrpcServer:
         for name in self.service_names:
             await self.health.set(name, status)
 
-    async def drain(self, grace_s: float, on_drain: Optional[DrainHook] = None) -> None:
+    async def drain(self, grace_s: float, on_drain: DrainHook | None = None) -> None:
         """NOT_SERVING, run the service's drain hook (bounded by grace_s), stop the server."""
         await self.set_serving(False)
         if on_drain is not None:
@@ -121,7 +126,7 @@ class GrpcServer:
         await self.stop(grace=min(grace_s, 5.0))
         self._stopped.set()
 
-    async def serve_until_signal(self, grace_s: float, on_drain: Optional[DrainHook] = None) -> None:
+    async def serve_until_signal(self, grace_s: float, on_drain: DrainHook | None = None) -> None:
         """Run until SIGTERM/SIGINT (or stop()), then drain. Returns when stopped."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

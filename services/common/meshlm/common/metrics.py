@@ -5,8 +5,6 @@ gRPC services expose them over HTTP on `--metrics-port`; the gateway serves them
 
 from __future__ import annotations
 
-from typing import Optional
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 PREFIX = "meshlm:"
@@ -36,7 +34,7 @@ class Metrics:
     ) -> Histogram:
         return Histogram(name(metric), doc, labels, buckets=buckets, registry=self.registry)
 
-    def serve(self, port: Optional[int], host: str = "0.0.0.0") -> None:
+    def serve(self, port: int | None, host: str = "0.0.0.0") -> None:
         """Expose /metrics over HTTP when a port is configured."""
         if port:
             start_http_server(port, addr=host, registry=self.registry)

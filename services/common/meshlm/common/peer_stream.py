@@ -24,7 +24,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from typing import Callable, Generic, Optional, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import grpc
 
@@ -50,11 +51,11 @@ class PeerStream(abc.ABC):
         self,
         peer_id: str,
         what: str,
-        dialer: Optional[Dialer] = None,
+        dialer: Dialer | None = None,
         *,
-        endpoint: Optional[str] = None,
-        backoff: Optional[Backoff] = None,
-        connect_timeout_s: Optional[float] = None,
+        endpoint: str | None = None,
+        backoff: Backoff | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.what = what
@@ -65,11 +66,11 @@ class PeerStream(abc.ABC):
         self.endpoint = endpoint
         self.address = endpoint or ""  # the endpoint of the current (or last) dial; "" before
         self._up = asyncio.Event()
-        self._task: Optional[asyncio.Task[None]] = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     # ---- what a subclass defines --------------------------------------------------------
-    async def next_endpoint(self) -> Optional[str]:
+    async def next_endpoint(self) -> str | None:
         """The endpoint to dial next (None: none known now, back off and ask again)."""
         return self.endpoint
 
@@ -77,7 +78,7 @@ class PeerStream(abc.ABC):
     async def serve(self, channel: grpc.aio.Channel, endpoint: str) -> None:
         """Run one stream on channel: hello, mark_up(), messages; return or raise when over."""
 
-    def on_down(self, reason: str, was_up: bool) -> None:
+    def on_down(self, reason: str, was_up: bool) -> None:  # noqa: B027 - an optional hook
         """After every dial: fail what waited on the stream, tell the owner (was_up: it had
         come up)."""
 
@@ -170,7 +171,7 @@ class PeerSet(Generic[P]):
         make: Callable[[str], P],
         what: str,
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
-        on_change: Optional[Callable[[list[P]], None]] = None,
+        on_change: Callable[[list[P]], None] | None = None,
     ) -> None:
         self.addresses = list(addresses)
         self.on_change = on_change
@@ -179,7 +180,7 @@ class PeerSet(Generic[P]):
         self.what = what
         self.resolve_interval_s = resolve_interval_s
         self.peers: list[P] = []
-        self._task: Optional[asyncio.Task[None]] = None
+        self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
     def start(self) -> None:
@@ -193,7 +194,7 @@ class PeerSet(Generic[P]):
             self._task = None
         await asyncio.gather(*(p.close() for p in self.peers), return_exceptions=True)
 
-    def by_address(self, endpoint: str) -> Optional[P]:
+    def by_address(self, endpoint: str) -> P | None:
         return next((p for p in self.peers if p.endpoint == endpoint), None)
 
     def up(self) -> list[P]:

@@ -9,8 +9,6 @@ version; bump PROTOCOL_VERSION with any change a peer of the previous version wo
 
 from __future__ import annotations
 
-from typing import Optional
-
 import grpc
 
 from meshlm.common.errors import ServiceError
@@ -26,7 +24,7 @@ def hello(peer_id: str) -> common_pb2.Hello:
     return common_pb2.Hello(peer_id=peer_id, protocol_version=PROTOCOL_VERSION)
 
 
-def version_mismatch(peer_version: int, server: str) -> Optional[str]:
+def version_mismatch(peer_version: int, server: str) -> str | None:
     """None when the peer speaks this protocol version; otherwise the refusal message."""
     if peer_version == PROTOCOL_VERSION:
         return None
@@ -37,7 +35,7 @@ def version_mismatch(peer_version: int, server: str) -> Optional[str]:
     )
 
 
-def check_hello(kind: Optional[str], first: common_pb2.Hello, server: str, stream: str) -> str:
+def check_hello(kind: str | None, first: common_pb2.Hello, server: str, stream: str) -> str:
     """The peer id of a stream's opening message, or a ServiceError to refuse the stream with.
 
     `kind` is which field of the first message is set ("hello" for a Hello in `first`). None,
@@ -46,18 +44,13 @@ def check_hello(kind: Optional[str], first: common_pb2.Hello, server: str, strea
     if kind is None:
         raise ServiceError(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"{stream} must open with a hello naming the protocol version; "
-            f"{version_mismatch(0, server)}",
+            f"{stream} must open with a hello naming the protocol version; {version_mismatch(0, server)}",
         )
     if kind != "hello":
-        raise ServiceError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"the first message of {stream} must be hello, got {kind}"
-        )
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the first message of {stream} must be hello, got {kind}")
     refusal = version_mismatch(first.protocol_version, server)
     if refusal is not None:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
     if not first.peer_id:
-        raise ServiceError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"the hello of {stream} must name its peer (peer_id)"
-        )
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the hello of {stream} must name its peer (peer_id)")
     return first.peer_id

@@ -17,9 +17,10 @@ Conventions of `check_sampling_params(values, vocab_size)`:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, NoReturn, Optional, Sequence, TypedDict
+from typing import Any, NoReturn, TypedDict
 
 __all__ = [
     "BOOL_FIELDS",
@@ -62,11 +63,11 @@ class Range:
     """
 
     integer: bool = False
-    low: Optional[float] = None
-    high: Optional[float] = None
+    low: float | None = None
+    high: float | None = None
     low_open: bool = False
     high_open: bool = False
-    extra: Optional[int] = None
+    extra: int | None = None
     extra_text: str = ""
 
     def has_type(self, value: Any) -> bool:
@@ -84,17 +85,12 @@ class Range:
             return True
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
-        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
-            return False
-        return True
+        return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
 
     def describe(self) -> str:
         """The bounds in words: ">= 0", "in (0, 1]", "-1 (whole vocabulary) or >= 1"; "" if none."""
         if self.low is not None and self.high is not None:
-            text = (
-                f"in {'(' if self.low_open else '['}{self.low}, {self.high}"
-                f"{')' if self.high_open else ']'}"
-            )
+            text = f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
         elif self.low is not None:
             text = f"{'>' if self.low_open else '>='} {self.low}"
         elif self.high is not None:
@@ -124,9 +120,7 @@ class Range:
         text = self.describe()
         if not self.has_type(value):
             kind = "an integer" if self.integer else "a finite number"
-            raise InvalidArgument(
-                f"{FIELD}{name} must be {kind}{' ' + text if text else ''}, got {value!r}"
-            )
+            raise InvalidArgument(f"{FIELD}{name} must be {kind}{' ' + text if text else ''}, got {value!r}")
         raise InvalidArgument(f"{FIELD}{name} must be {text}, got {value!r}")
 
 
@@ -166,7 +160,7 @@ def check_token_ids(ids: Sequence[int], where: str, vocab_size: int) -> None:
             raise InvalidArgument(_out_of_vocabulary(f"{where}[{pos}] = {t}", vocab_size))
 
 
-def parse_token_key(key: Any) -> Optional[int]:
+def parse_token_key(key: Any) -> int | None:
     """A logit_bias key as an int (JSON gives integer strings), or None when it is not one."""
     if isinstance(key, int) and not isinstance(key, bool):
         return key
@@ -178,7 +172,7 @@ def parse_token_key(key: Any) -> Optional[int]:
     return None
 
 
-def check_sampling_params(values: Mapping[str, Any], vocab_size: Optional[int] = None) -> None:
+def check_sampling_params(values: Mapping[str, Any], vocab_size: int | None = None) -> None:
     """Raise InvalidArgument for the first field of `values` that breaks its rule.
 
     Module docstring: absent/None fields are defaults; vocabulary checks need vocab_size."""
@@ -222,7 +216,7 @@ def _check_stop(stop: Any) -> None:
             _fail(f"stop[{i}] is empty; stop strings need at least 1 character")
 
 
-def _check_stop_token_ids(ids: Any, vocab_size: Optional[int]) -> None:
+def _check_stop_token_ids(ids: Any, vocab_size: int | None) -> None:
     if ids is None:
         return
     if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
@@ -234,7 +228,7 @@ def _check_stop_token_ids(ids: Any, vocab_size: Optional[int]) -> None:
         check_token_ids(ordered, f"{FIELD}stop_token_ids", vocab_size)
 
 
-def _check_logit_bias(bias: Any, vocab_size: Optional[int]) -> None:
+def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
     if bias is None:
         return
     if not isinstance(bias, dict):

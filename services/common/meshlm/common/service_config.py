@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping, Optional, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from meshlm.common.flags import Flag, add_config_flags, config_values, env_values
 from meshlm.common.tls import PLAINTEXT, TlsConfig, add_tls_cli_args, validate_health_port
@@ -37,7 +38,7 @@ def need(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def check_port(name: str, port: Optional[int]) -> None:
+def check_port(name: str, port: int | None) -> None:
     if port is not None:
         need(0 <= port <= 65535, f"{name} must be in [0, 65535], got {port}")
 
@@ -55,9 +56,7 @@ class ServiceConfig:
             "port": Flag("port of the server (0: any free port)"),
             "log_level": Flag("logging level: " + " | ".join(LOG_LEVELS)),
             "log_format": Flag("log line format: " + " | ".join(LOG_FORMATS)),
-            "otlp_endpoint": Flag(
-                "export OpenTelemetry spans to this OTLP/gRPC endpoint (host:port)"
-            ),
+            "otlp_endpoint": Flag("export OpenTelemetry spans to this OTLP/gRPC endpoint (host:port)"),
             "grace_period_s": Flag("on SIGTERM, seconds in-flight requests get to finish"),
         }
     )
@@ -66,7 +65,7 @@ class ServiceConfig:
     port: int = 0  # every service redeclares it with its own default
     log_level: str = "info"
     log_format: str = "text"
-    otlp_endpoint: Optional[str] = None
+    otlp_endpoint: str | None = None
     grace_period_s: float = 30.0
     tls: TlsConfig = PLAINTEXT
 
@@ -92,14 +91,12 @@ class ServiceConfig:
 
     # ---- flags and environment ------------------------------------------------------------
     @classmethod
-    def add_cli_args(
-        cls, parser: argparse.ArgumentParser, environ: Optional[Mapping[str, str]] = None
-    ) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
         """One flag per field (FLAGS) and the --tls-* flags, each defaulting to its environment
         variable (environ, default os.environ) when set, else to the field's default."""
         group = parser.add_argument_group(
-            cls.COMPONENT, f"every flag can also be set as {cls.ENV_PREFIX}<FLAG> (upper case, "
-            "dashes as underscores); a flag wins"
+            cls.COMPONENT,
+            f"every flag can also be set as {cls.ENV_PREFIX}<FLAG> (upper case, dashes as underscores); a flag wins",
         )
         add_config_flags(group, cls, cls.FLAGS, env_prefix=cls.ENV_PREFIX, environ=environ)
         add_tls_cli_args(parser, cls.ENV_PREFIX, environ)
@@ -110,7 +107,7 @@ class ServiceConfig:
         return cls(**config_values(cls.FLAGS, ns), tls=TlsConfig.from_cli_args(ns))
 
     @classmethod
-    def from_env(cls: type[C], environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> C:
+    def from_env(cls: type[C], environ: Mapping[str, str] | None = None, **overrides: Any) -> C:
         """The config of the environment alone (no command line); overrides win."""
         values: dict[str, Any] = {
             "tls": TlsConfig.from_env(cls.ENV_PREFIX, environ),
@@ -138,8 +135,8 @@ class GrpcServiceConfig(ServiceConfig):
         }
     )
 
-    metrics_port: Optional[int] = None
-    health_port: Optional[int] = None
+    metrics_port: int | None = None
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,7 +9,8 @@ metadata, so `span(..., traceparent=...)` continues the request's trace in any s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -22,7 +23,7 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACER_NAME = "meshlm"
 
 
-def setup_telemetry(service_name: str, otlp_endpoint: Optional[str]) -> None:
+def setup_telemetry(service_name: str, otlp_endpoint: str | None) -> None:
     """Install the process's tracer provider (once, at start-up)."""
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     if otlp_endpoint:
@@ -58,7 +59,7 @@ def context_from(traceparent: str, tracestate: str = "") -> otel_context.Context
     return _PROPAGATOR.extract(carrier) if traceparent else otel_context.Context()
 
 
-def current_traceparent(span: Optional[trace.Span] = None) -> tuple[str, str]:
+def current_traceparent(span: trace.Span | None = None) -> tuple[str, str]:
     """(traceparent, tracestate) of `span` (default: the current span); ("", "") if none."""
     carrier: dict[str, str] = {}
     ctx = trace.set_span_in_context(span) if span is not None else None
@@ -68,7 +69,7 @@ def current_traceparent(span: Optional[trace.Span] = None) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def span(
-    name: str, traceparent: str = "", tracestate: str = "", attributes: Optional[dict[str, Any]] = None
+    name: str, traceparent: str = "", tracestate: str = "", attributes: dict[str, Any] | None = None
 ) -> Iterator[trace.Span]:
     """A span that continues the trace named by traceparent (or the current one if empty)."""
     parent = context_from(traceparent, tracestate) if traceparent else None
@@ -77,8 +78,11 @@ def span(
 
 
 def start_span(
-    name: str, traceparent: str = "", tracestate: str = "", attributes: Optional[dict[str, Any]] = None,
-    start_time_ns: Optional[int] = None,
+    name: str,
+    traceparent: str = "",
+    tracestate: str = "",
+    attributes: dict[str, Any] | None = None,
+    start_time_ns: int | None = None,
 ) -> trace.Span:
     """A span not bound to the current context (for work that outlives a call, e.g. a
     request inside the scheduler loop); the caller ends it with span.end()."""

@@ -23,9 +23,10 @@ the server's certificate against that name, not the IP: pass it as `server_name`
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import grpc
 
@@ -44,9 +45,9 @@ ChannelOptions = Sequence[tuple[str, Any]]
 class TlsConfig:
     """The PEM files of one service; all None = plaintext. Built once at start-up."""
 
-    cert_file: Optional[str] = None
-    key_file: Optional[str] = None
-    ca_file: Optional[str] = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in FLAGS:
@@ -54,13 +55,9 @@ class TlsConfig:
                 object.__setattr__(self, name, None)
         cert, key, ca = self.cert_file, self.key_file, self.ca_file
         if cert is not None and key is None:
-            raise ValueError(
-                f"{FLAGS['cert_file']} needs {FLAGS['key_file']} (the certificate's private key)"
-            )
+            raise ValueError(f"{FLAGS['cert_file']} needs {FLAGS['key_file']} (the certificate's private key)")
         if key is not None and cert is None:
-            raise ValueError(
-                f"{FLAGS['key_file']} needs {FLAGS['cert_file']} (the key's certificate)"
-            )
+            raise ValueError(f"{FLAGS['key_file']} needs {FLAGS['cert_file']} (the key's certificate)")
         if ca is not None and cert is None:
             raise ValueError(
                 f"{FLAGS['ca_file']} needs {FLAGS['cert_file']} and {FLAGS['key_file']}: with a CA "
@@ -78,8 +75,8 @@ class TlsConfig:
         """Servers require client certificates signed by the CA."""
         return self.ca_file is not None
 
-    def _bytes(self, name: str) -> Optional[bytes]:
-        pem: dict[str, Optional[bytes]] = self.__dict__["_pem"]
+    def _bytes(self, name: str) -> bytes | None:
+        pem: dict[str, bytes | None] = self.__dict__["_pem"]
         return pem[name]
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -104,19 +101,17 @@ class TlsConfig:
         )
 
     @staticmethod
-    def from_cli_args(ns: argparse.Namespace) -> "TlsConfig":
+    def from_cli_args(ns: argparse.Namespace) -> TlsConfig:
         """From the flags add_tls_cli_args added (environment fallbacks already applied)."""
         return TlsConfig(**config_values(_CLI_FLAGS, ns, dest_prefix=DEST_PREFIX))
 
     @staticmethod
-    def from_env(env_prefix: str, environ: Optional[Mapping[str, str]] = None) -> "TlsConfig":
+    def from_env(env_prefix: str, environ: Mapping[str, str] | None = None) -> TlsConfig:
         """From <env_prefix>TLS_CERT_FILE, ..._TLS_KEY_FILE, ..._TLS_CA_FILE."""
-        return TlsConfig(
-            **env_values(TlsConfig, _CLI_FLAGS, env_prefix, environ, dest_prefix=DEST_PREFIX)
-        )
+        return TlsConfig(**env_values(TlsConfig, _CLI_FLAGS, env_prefix, environ, dest_prefix=DEST_PREFIX))
 
 
-def _read_pem(flag: str, path: Optional[str]) -> Optional[bytes]:
+def _read_pem(flag: str, path: str | None) -> bytes | None:
     if path is None:
         return None
     try:
@@ -133,9 +128,7 @@ PLAINTEXT = TlsConfig()
 
 
 # ---- channels ------------------------------------------------------------------------------
-def _channel_options(
-    tls: TlsConfig, options: ChannelOptions, server_name: Optional[str]
-) -> list[tuple[str, Any]]:
+def _channel_options(tls: TlsConfig, options: ChannelOptions, server_name: str | None) -> list[tuple[str, Any]]:
     out = list(options)
     if tls.enabled and server_name:
         out.append(("grpc.ssl_target_name_override", server_name))
@@ -144,9 +137,9 @@ def _channel_options(
 
 def aio_channel(
     address: str,
-    tls: Optional[TlsConfig] = None,
+    tls: TlsConfig | None = None,
     options: ChannelOptions = (),
-    server_name: Optional[str] = None,
+    server_name: str | None = None,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to address: TLS (mTLS with a CA) when tls is enabled, else plaintext.
     server_name: the DNS name the server's certificate must carry when address is one of its
@@ -160,9 +153,9 @@ def aio_channel(
 
 def sync_channel(
     address: str,
-    tls: Optional[TlsConfig] = None,
+    tls: TlsConfig | None = None,
     options: ChannelOptions = (),
-    server_name: Optional[str] = None,
+    server_name: str | None = None,
 ) -> grpc.Channel:
     """The synchronous twin of aio_channel."""
     tls = tls or PLAINTEXT
@@ -196,8 +189,8 @@ _CLI_FLAGS: Mapping[str, Flag] = MappingProxyType(
 
 def add_tls_cli_args(
     parser: argparse.ArgumentParser,
-    env_prefix: Optional[str],
-    environ: Optional[Mapping[str, str]] = None,
+    env_prefix: str | None,
+    environ: Mapping[str, str] | None = None,
 ) -> None:
     """--tls-cert-file, --tls-key-file, --tls-ca-file (dests tls_*), each defaulting to
     <env_prefix>TLS_<NAME> from the environment (env_prefix None: no environment), the
@@ -208,12 +201,16 @@ def add_tls_cli_args(
         "takes the same three flags; give them all one CA for mTLS.",
     )
     add_config_flags(
-        group, TlsConfig, _CLI_FLAGS, env_prefix=env_prefix, environ=environ,
+        group,
+        TlsConfig,
+        _CLI_FLAGS,
+        env_prefix=env_prefix,
+        environ=environ,
         dest_prefix=DEST_PREFIX,
     )
 
 
-def validate_health_port(health_port: Optional[int], port: int) -> None:
+def validate_health_port(health_port: int | None, port: int) -> None:
     """None (off) or a fixed port in [1, 65535] other than the service's own port."""
     if health_port is None:
         return

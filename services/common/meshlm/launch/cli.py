@@ -1,13 +1,13 @@
 """The `meshlm` command.
 
-    meshlm launch [flags] [engine flags]
-        Start gateway, tokenizer, scheduler and detokenizer as separate processes on loopback
-        (the HTTP API on --port, the public gRPC API on --grpc-port); Ctrl-C stops them all.
-    meshlm serve gateway|tokenizer|scheduler|detokenizer [flags]
-        Run one component in this process (the container entrypoint); `--help` lists its flags
-        (each also readable from MESHLM_<COMPONENT>_<FLAG> environment variables).
-    meshlm generate [engine flags] --prompt TEXT [--prompt TEXT ...]
-        Complete prompts with an in-process engine (no services), printing throughput.
+meshlm launch [flags] [engine flags]
+    Start gateway, tokenizer, scheduler and detokenizer as separate processes on loopback
+    (the HTTP API on --port, the public gRPC API on --grpc-port); Ctrl-C stops them all.
+meshlm serve gateway|tokenizer|scheduler|detokenizer [flags]
+    Run one component in this process (the container entrypoint); `--help` lists its flags
+    (each also readable from MESHLM_<COMPONENT>_<FLAG> environment variables).
+meshlm generate [engine flags] --prompt TEXT [--prompt TEXT ...]
+    Complete prompts with an in-process engine (no services), printing throughput.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import signal
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -82,8 +82,10 @@ def _launch(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"meshlm launch: {e}") from None
     if config.disaggregation_mode != "null":
-        raise SystemExit("meshlm launch: use --decode-dp-size N for prefill/decode disaggregation "
-                         "(it sets each scheduler's --disaggregation-mode)")
+        raise SystemExit(
+            "meshlm launch: use --decode-dp-size N for prefill/decode disaggregation "
+            "(it sets each scheduler's --disaggregation-mode)"
+        )
     model = resolve_model_path(config.model_path)
     gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
     plan = LaunchPlan(
@@ -149,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--grpc-port", type=int, default=30001, help="public gRPC port of tokenizer 0 (default: 30001)")
     lau.add_argument("--dp-size", type=int, default=1, help="schedulers (data-parallel replicas) (default: 1)")
     lau.add_argument(
-        "--decode-dp-size", type=int, default=0,
+        "--decode-dp-size",
+        type=int,
+        default=0,
         help="prefill/decode disaggregation: start this many decode schedulers; the --dp-size "
         "schedulers become prefill schedulers that hand requests to them (default: 0, off)",
     )
@@ -169,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "warning").upper()  # `serve` passes its flags to the component
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

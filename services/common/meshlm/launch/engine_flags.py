@@ -10,5 +10,5 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     try:
         from meshlm.scheduler.config import SchedulerConfig
     except ImportError as e:  # a gateway-only install has no scheduler
-        raise SystemExit(f"this command needs the scheduler component: pip install 'meshlm[scheduler]' ({e})")
+        raise SystemExit(f"this command needs the scheduler component: pip install 'meshlm[scheduler]' ({e})") from e
     SchedulerConfig.add_cli_args(parser)

@@ -20,8 +20,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -57,7 +57,7 @@ class LaunchPlan:
     tokenizer_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     common_args: tuple[str, ...] = ()
-    otlp_endpoint: Optional[str] = None
+    otlp_endpoint: str | None = None
     log_level: str = "info"
     tls: TlsConfig = PLAINTEXT
 
@@ -68,7 +68,7 @@ class Child:
     component: str
     address: str  # host:port it serves (gRPC, or HTTP for the gateway)
     argv: list[str]
-    proc: Optional[subprocess.Popen] = None
+    proc: subprocess.Popen | None = None
 
 
 @dataclass
@@ -127,28 +127,61 @@ def plan_children(plan: LaunchPlan) -> list[Child]:
         port = addr.rsplit(":", 1)[1]
         args = ["--host", h, "--port", port, "--tokenizer-path", plan.tokenizer_path, *common]
         children.append(Child(f"detokenizer-{i}", "detokenizer", addr, _cmd("detokenizer", args)))
-    roles = [("scheduler", a, ["--disaggregation-mode", "prefill", "--decode-addrs", ",".join(decodes)] if decodes else [])
-             for a in scheds]
+    roles = [
+        ("scheduler", a, ["--disaggregation-mode", "prefill", "--decode-addrs", ",".join(decodes)] if decodes else [])
+        for a in scheds
+    ]
     roles += [("decode-scheduler", a, ["--disaggregation-mode", "decode"]) for a in decodes]
     for name, addr, role_args in roles:
         i = (scheds if name == "scheduler" else decodes).index(addr)
         port = addr.rsplit(":", 1)[1]
         args = [
-            "--host", h, "--port", port, "--scheduler-id", f"{name}-{i}",
-            "--model-path", plan.model_path, "--tokenizer-path", plan.tokenizer_path,
-            "--detokenizer-addrs", ",".join(detoks), *role_args, *plan.scheduler_args, *common,
+            "--host",
+            h,
+            "--port",
+            port,
+            "--scheduler-id",
+            f"{name}-{i}",
+            "--model-path",
+            plan.model_path,
+            "--tokenizer-path",
+            plan.tokenizer_path,
+            "--detokenizer-addrs",
+            ",".join(detoks),
+            *role_args,
+            *plan.scheduler_args,
+            *common,
         ]
         children.append(Child(f"{name}-{i}", "scheduler", addr, _cmd("scheduler", args)))
     for i, addr in enumerate(toks):
         port = addr.rsplit(":", 1)[1]
         args = [
-            "--host", h, "--port", port, "--tokenizer-id", f"tokenizer-{i}",
-            "--tokenizer-path", plan.tokenizer_path, "--scheduler-addrs", ",".join(scheds),
-            "--detokenizer-addrs", ",".join(detoks), *plan.tokenizer_args, *common,
+            "--host",
+            h,
+            "--port",
+            port,
+            "--tokenizer-id",
+            f"tokenizer-{i}",
+            "--tokenizer-path",
+            plan.tokenizer_path,
+            "--scheduler-addrs",
+            ",".join(scheds),
+            "--detokenizer-addrs",
+            ",".join(detoks),
+            *plan.tokenizer_args,
+            *common,
         ]
         children.append(Child(f"tokenizer-{i}", "tokenizer", addr, _cmd("tokenizer", args)))
-    gw_args = ["--host", h, "--port", str(plan.http_port), "--tokenizer-addrs", ",".join(toks),
-               *plan.gateway_args, *common]
+    gw_args = [
+        "--host",
+        h,
+        "--port",
+        str(plan.http_port),
+        "--tokenizer-addrs",
+        ",".join(toks),
+        *plan.gateway_args,
+        *common,
+    ]
     children.append(Child("gateway", "gateway", f"{h}:{plan.http_port}", _cmd("gateway", gw_args)))
     return children
 
@@ -189,7 +222,7 @@ def wait_ready(child: Child, timeout_s: float, tls: TlsConfig = PLAINTEXT) -> No
     raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
 
 
-def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: Optional[dict[str, str]] = None) -> System:
+def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> System:
     """Start every process and wait until all are ready; on failure stop what started."""
     system = System(plan)
     proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -18,8 +18,8 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 PKG_DIR = Path(__file__).resolve().parent  # .../meshlm/v1
 PROTO_SUBDIR = Path("meshlm") / "v1"  # under a proto root and under the stubs' sys.path entry
@@ -31,7 +31,7 @@ COMMAND = "python3 scripts/gen_protos.py"
 LOCK_NAME = ".gen.lock"
 
 
-def proto_root(pkg_dir: Path = PKG_DIR) -> Optional[Path]:
+def proto_root(pkg_dir: Path = PKG_DIR) -> Path | None:
     """The directory holding meshlm/v1/*.proto: the copy a wheel ships inside the package, or the
     checkout's protos/ (when pkg_dir is <repo>/services/common/meshlm/v1); None if neither."""
     candidates = [pkg_dir / "protos"]
@@ -48,14 +48,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _recorded_sha256(stub: Path) -> Optional[str]:
+def _recorded_sha256(stub: Path) -> str | None:
     match = STAMP_RE.search(stub.read_bytes())
     return match.group(1).decode() if match else None
 
 
-def stale_stubs(
-    root: Path, pkg_dir: Path = PKG_DIR, suffixes: Sequence[str] = STUB_SUFFIXES
-) -> list[str]:
+def stale_stubs(root: Path, pkg_dir: Path = PKG_DIR, suffixes: Sequence[str] = STUB_SUFFIXES) -> list[str]:
     """One line per stub under pkg_dir that is missing or was not generated from the current
     content of its .proto under root (empty: every stub is current)."""
     problems = []
@@ -133,17 +131,17 @@ def generate(root: Path, pkg_dir: Path = PKG_DIR) -> list[str]:
     return written
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command line of scripts/gen_protos.py."""
     ap = argparse.ArgumentParser(
         prog="gen_protos.py",
         description="Generate the meshlm.v1 gRPC stubs from protos/meshlm/v1/*.proto.",
     )
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true",
-                      help="write nothing; exit 1, naming them, if any stub is missing or stale")
-    mode.add_argument("--force", action="store_true",
-                      help="regenerate every stub, even the current ones")
+    mode.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1, naming them, if any stub is missing or stale"
+    )
+    mode.add_argument("--force", action="store_true", help="regenerate every stub, even the current ones")
     args = ap.parse_args(argv)
     root = proto_root()
     if root is None:

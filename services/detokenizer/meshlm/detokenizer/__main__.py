@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from meshlm.common.log import setup_logging
 from meshlm.detokenizer.config import DetokenizerConfig
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, configure logging, serve until SIGTERM/SIGINT; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.detokenizer import incremental
@@ -78,9 +78,7 @@ def text_delta(
         retraction_count=pb.retraction_count,
     )
     if result.error is not None:
-        out.finish_reason.CopyFrom(
-            FinishReason.aborted(result.error, AbortStatus.INTERNAL).to_proto()
-        )
+        out.finish_reason.CopyFrom(FinishReason.aborted(result.error, AbortStatus.INTERNAL).to_proto())
     elif pb.HasField("finish_reason"):
         out.finish_reason.CopyFrom(pb.finish_reason)
     if pb.HasField("trace"):
@@ -94,7 +92,7 @@ def text_delta(
 
 def str_outputs(
     batch: scheduler_pb2.BatchTokenIDOut,
-    results: Sequence[Optional[incremental.TextDelta]],
+    results: Sequence[incremental.TextDelta | None],
     decoder: TextDecoder,
 ) -> dict[str, detokenizer_pb2.BatchStrOut]:
     """Group the step's text deltas by origin (dropped requests, None, are left out).
@@ -113,8 +111,6 @@ def split_embeddings(
     """The embedding results of each origin (values passed through unchanged)."""
     outs: dict[str, scheduler_pb2.BatchEmbeddingOut] = {}
     for result in batch.results:
-        out = outs.setdefault(
-            result.origin, scheduler_pb2.BatchEmbeddingOut(scheduler_id=batch.scheduler_id)
-        )
+        out = outs.setdefault(result.origin, scheduler_pb2.BatchEmbeddingOut(scheduler_id=batch.scheduler_id))
         out.results.append(result)
     return outs

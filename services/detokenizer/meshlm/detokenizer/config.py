@@ -7,9 +7,10 @@ grace period, metrics/health ports, tls) are GrpcServiceConfig's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 from meshlm.common.flags import Flag, env_var
 from meshlm.common.service_config import GrpcServiceConfig, need
@@ -33,12 +34,8 @@ class DetokenizerConfig(GrpcServiceConfig):
     FLAGS: ClassVar[Mapping[str, Flag]] = MappingProxyType(
         {
             **GrpcServiceConfig.FLAGS,
-            "tokenizer_path": Flag(
-                "Hugging Face tokenizer directory (holding tokenizer.json); required"
-            ),
-            "max_states": Flag(
-                "most requests with a decode state (least recently used are evicted)"
-            ),
+            "tokenizer_path": Flag("Hugging Face tokenizer directory (holding tokenizer.json); required"),
+            "max_states": Flag("most requests with a decode state (least recently used are evicted)"),
             "undelivered_hold_s": Flag("seconds to hold outputs for an origin with no subscriber"),
         }
     )

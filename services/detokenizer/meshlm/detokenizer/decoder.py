@@ -17,8 +17,9 @@ Invariants:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 from tokenizers import AddedToken, Tokenizer
 
@@ -48,7 +49,7 @@ class TextDecoder(Protocol):
     def token_texts(self, ids: Sequence[int]) -> list[str]: ...
 
 
-def _token_content(value: Any) -> Optional[str]:
+def _token_content(value: Any) -> str | None:
     """A special-token entry of tokenizer_config.json: "<s>" or {"content": "<s>", ...}."""
     if isinstance(value, str):
         return value
@@ -72,11 +73,7 @@ def declared_special_tokens(config: dict[str, Any]) -> list[str]:
             if content:
                 found.append(content)
     for entry in (config.get("added_tokens_decoder") or {}).values():
-        if (
-            isinstance(entry, dict)
-            and entry.get("special")
-            and isinstance(entry.get("content"), str)
-        ):
+        if isinstance(entry, dict) and entry.get("special") and isinstance(entry.get("content"), str):
             found.append(entry["content"])
     return list(dict.fromkeys(found))
 
@@ -97,7 +94,7 @@ class TokenizerDecoder:
         self._token_text: dict[int, str] = {}
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "TokenizerDecoder":
+    def from_path(cls, path: str | Path) -> TokenizerDecoder:
         """Load `<dir>/tokenizer.json` (or a tokenizer.json file) and register the special tokens
         that the directory's tokenizer_config.json and special_tokens_map.json declare."""
         p = Path(path).expanduser()
@@ -129,9 +126,7 @@ class TokenizerDecoder:
     ) -> list[str]:
         if not sequences:
             return []
-        return self.tokenizer.decode_batch(
-            [list(s) for s in sequences], skip_special_tokens=skip_special_tokens
-        )
+        return self.tokenizer.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         cache = self._token_text

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 from meshlm.detokenizer.decoder import TextDecoder
 
@@ -96,10 +96,10 @@ class TokenDelta:
     rid: str
     ids: Sequence[int]
     token_offset: int = 0
-    seed: Optional[Seed] = None
+    seed: Seed | None = None
     finished: bool = False
-    matched_token: Optional[int] = None
-    matched_str: Optional[str] = None
+    matched_token: int | None = None
+    matched_str: str | None = None
 
 
 @dataclass(slots=True)
@@ -116,7 +116,7 @@ class TextDelta:
     seed: Seed
     finished: bool
     started: bool = False
-    error: Optional[str] = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -136,11 +136,9 @@ class DecodeStatus:
     num_output_ids: int = 0
 
     @classmethod
-    def from_seed(cls, seed: Seed) -> "DecodeStatus":
+    def from_seed(cls, seed: Seed) -> DecodeStatus:
         tail = list(seed.prompt_tail_ids)
-        return cls(
-            decode_ids=tail, surr_offset=0, read_offset=len(tail), seed=seed, prompt_len=len(tail)
-        )
+        return cls(decode_ids=tail, surr_offset=0, read_offset=len(tail), seed=seed, prompt_len=len(tail))
 
     @property
     def decoded_text(self) -> str:
@@ -171,7 +169,7 @@ class _Work:
     read_ids: list[int] = field(default_factory=list)
     surr_text: str = ""
     read_text: str = ""
-    error: Optional[str] = None
+    error: str | None = None
 
 
 class IncrementalDetokenizer:
@@ -181,7 +179,7 @@ class IncrementalDetokenizer:
         self,
         decoder: TextDecoder,
         max_states: int = 65536,
-        on_evict: Optional[Callable[[str], None]] = None,
+        on_evict: Callable[[str], None] | None = None,
     ) -> None:
         if max_states < 1:
             raise ValueError(f"max_states must be >= 1, got {max_states}")
@@ -197,16 +195,16 @@ class IncrementalDetokenizer:
     def __contains__(self, rid: object) -> bool:
         return rid in self._states
 
-    def status(self, rid: str) -> Optional[DecodeStatus]:
+    def status(self, rid: str) -> DecodeStatus | None:
         return self._states.get(rid)
 
     def drop(self, rid: str) -> None:
         self._states.pop(rid, None)
 
-    def step(self, deltas: Sequence[TokenDelta]) -> list[Optional[TextDelta]]:
+    def step(self, deltas: Sequence[TokenDelta]) -> list[TextDelta | None]:
         """Decode one step; the result is aligned with `deltas`. None: the delta is dropped
         (its request already failed with an error)."""
-        results: list[Optional[TextDelta]] = []
+        results: list[TextDelta | None] = []
         start = 0
         while start < len(deltas):
             seen: set[str] = set()
@@ -219,8 +217,8 @@ class IncrementalDetokenizer:
         return results
 
     # ---- one pass: each rid at most once ---------------------------------------------------
-    def _pass(self, deltas: Sequence[TokenDelta]) -> list[Optional[TextDelta]]:
-        out: list[Optional[TextDelta]] = [None] * len(deltas)
+    def _pass(self, deltas: Sequence[TokenDelta]) -> list[TextDelta | None]:
+        out: list[TextDelta | None] = [None] * len(deltas)
         work: list[tuple[int, _Work]] = []
         for i, d in enumerate(deltas):
             item = self._prepare(d)
@@ -240,18 +238,14 @@ class IncrementalDetokenizer:
             self._states.pop(d.rid, None)
             self._lost.pop(d.rid, None)
             if offset != 0:
-                return self._fail(
-                    d, f"a seed restarts the output at token offset 0, got token offset {offset}"
-                )
+                return self._fail(d, f"a seed restarts the output at token offset 0, got token offset {offset}")
             status, started = self._insert(d.rid, DecodeStatus.from_seed(d.seed)), True
         elif d.rid in self._states:
             status = self._states[d.rid]
             self._states.move_to_end(d.rid)
             expected = status.num_output_ids
             if offset > expected:
-                return self._fail(
-                    d, f"token offset {offset} skips ids {expected}..{offset - 1} (never received)"
-                )
+                return self._fail(d, f"token offset {offset} skips ids {expected}..{offset - 1} (never received)")
             if offset < expected:
                 ids, offset = ids[expected - offset :], expected
         elif d.rid in self._lost:
@@ -261,9 +255,7 @@ class IncrementalDetokenizer:
         elif offset == 0:
             status, started = self._insert(d.rid, DecodeStatus.from_seed(Seed())), True
         else:
-            return self._fail(
-                d, f"no decode state at token offset {offset} (evicted, or resent without a seed)"
-            )
+            return self._fail(d, f"no decode state at token offset {offset} (evicted, or resent without a seed)")
         status.decode_ids.extend(ids)
         status.num_output_ids += len(ids)
         w = _Work(delta=d, status=status, ids=ids, token_offset=offset, started=started)
@@ -284,9 +276,7 @@ class IncrementalDetokenizer:
         self._states[rid] = status
         while len(self._states) > self.max_states:
             old, _ = self._states.popitem(last=False)
-            logger.warning(
-                "decode state of request %s evicted (max_states=%d)", old, self.max_states
-            )
+            logger.warning("decode state of request %s evicted (max_states=%d)", old, self.max_states)
             if self.on_evict is not None:
                 self.on_evict(old)
         return status
@@ -330,9 +320,7 @@ class IncrementalDetokenizer:
 
     def _decode_one(self, w: _Work, skip: bool, spaces: bool) -> None:
         try:
-            w.surr_text, w.read_text = self.decoder.batch_decode(
-                [w.surr_ids, w.read_ids], skip, spaces
-            )
+            w.surr_text, w.read_text = self.decoder.batch_decode([w.surr_ids, w.read_ids], skip, spaces)
         except (OverflowError, ValueError, TypeError) as e:
             w.error = f"cannot decode its token ids ({type(e).__name__}: {e})"
 

@@ -18,8 +18,9 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Sequence, TypeAlias
+from typing import TypeAlias
 
 from opentelemetry.trace import Span, Status, StatusCode
 
@@ -40,7 +41,7 @@ class Subscription:
     """One Subscribe stream: a queue of outputs; None in the queue ends the stream."""
 
     origin: str
-    queue: asyncio.Queue[Optional[Output]] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Output | None] = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def close(self) -> None:
@@ -71,7 +72,7 @@ class DetokenizerManager:
         *,
         max_states: int = 65536,
         undelivered_hold_s: float = 10.0,
-        metrics: Optional[DetokenizerMetrics] = None,
+        metrics: DetokenizerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.decoder = decoder
@@ -106,9 +107,7 @@ class DetokenizerManager:
         if sub is not None:
             sub.queue.put_nowait(msg)
         else:
-            self._held.setdefault(origin, deque()).append(
-                (self._clock() + self.undelivered_hold_s, msg)
-            )
+            self._held.setdefault(origin, deque()).append((self._clock() + self.undelivered_hold_s, msg))
 
     def subscribe(self, origin: str) -> Subscription:
         """Register the origin's subscriber; it first receives what was held or pending for it."""
@@ -189,17 +188,13 @@ class DetokenizerManager:
         await asyncio.gather(*(sub.done.wait() for sub in subs))
         for origin, held in self._held.items():
             rids = [rid for _, msg in held for rid in _rids(msg)]
-            logger.warning(
-                "drain: dropped %d held output(s) for origin %s: rids %s", len(held), origin, rids
-            )
+            logger.warning("drain: dropped %d held output(s) for origin %s: rids %s", len(held), origin, rids)
         self._held.clear()
         for rid in list(self._spans):
             self._end_span(rid)
 
     # ---- tracing ----------------------------------------------------------------------------
-    def _trace(
-        self, batch: scheduler_pb2.BatchTokenIDOut, results: Sequence[Optional[TextDelta]]
-    ) -> None:
+    def _trace(self, batch: scheduler_pb2.BatchTokenIDOut, results: Sequence[TextDelta | None]) -> None:
         for delta, r in zip(batch.deltas, results, strict=True):
             if r is None:
                 continue
@@ -218,8 +213,8 @@ class DetokenizerManager:
     def _end_span(
         self,
         rid: str,
-        result: Optional[TextDelta] = None,
-        finish_type: Optional[str] = None,
+        result: TextDelta | None = None,
+        finish_type: str | None = None,
     ) -> None:
         span = self._spans.pop(rid, None)
         if span is None:

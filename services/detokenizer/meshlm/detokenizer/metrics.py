@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from meshlm.common.metrics import Metrics
 
 
@@ -11,14 +9,12 @@ class DetokenizerMetrics:
     """`meshlm:num_active_requests` (requests with a decode state) and `meshlm:batches_total`
     (BatchTokenIDOut messages decoded), in their own registry."""
 
-    def __init__(self, metrics: Optional[Metrics] = None) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics or Metrics()
         self.num_active_requests = self.metrics.gauge(
             "num_active_requests", "Requests whose decode state the detokenizer holds"
         )
-        self.batches_total = self.metrics.counter(
-            "batches_total", "BatchTokenIDOut messages detokenized"
-        )
+        self.batches_total = self.metrics.counter("batches_total", "BatchTokenIDOut messages detokenized")
 
-    def serve(self, port: Optional[int], host: str = "0.0.0.0") -> None:
+    def serve(self, port: int | None, host: str = "0.0.0.0") -> None:
         self.metrics.serve(port, host)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
 
 import grpc
 
@@ -46,9 +46,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> detokenizer_pb2.PushSummary:
         if self.manager.closing:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "detokenizer is draining; push to another replica"
-            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "detokenizer is draining; push to another replica")
         task = asyncio.current_task()
         if task is not None:
             self._pushes.add(task)
@@ -74,14 +72,10 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                     elif kind == "embeddings":
                         self.manager.handle_embeddings(msg.embeddings)
                 except Exception:  # a bad message must not end the stream of every other request
-                    logger.exception(
-                        "cannot handle a %s message from scheduler %s", kind, scheduler_id
-                    )
+                    logger.exception("cannot handle a %s message from scheduler %s", kind, scheduler_id)
         finally:
             self._pushes.discard(task)
-            logger.info(
-                "push stream of scheduler %s ended after %d message(s)", scheduler_id, count
-            )
+            logger.info("push stream of scheduler %s ended after %d message(s)", scheduler_id, count)
         return detokenizer_pb2.PushSummary(messages=count)
 
     async def Subscribe(
@@ -94,9 +88,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             logger.warning("refused a Subscribe stream: %s", e.message)
             await context.abort(e.code, e.message)
         if self.manager.closing:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "detokenizer is draining; subscribe to another replica"
-            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "detokenizer is draining; subscribe to another replica")
         logger.info("origin %s subscribed", origin)
         async with contextlib.aclosing(self.manager.stream(origin)) as outputs:
             async for msg in outputs:
@@ -130,8 +122,8 @@ class RunningDetokenizer:
 
 async def start_detokenizer(
     config: DetokenizerConfig,
-    decoder: Optional[TextDecoder] = None,
-    metrics: Optional[DetokenizerMetrics] = None,
+    decoder: TextDecoder | None = None,
+    metrics: DetokenizerMetrics | None = None,
 ) -> RunningDetokenizer:
     """Load the tokenizer (unless given), build the manager and servicer, start the server."""
     decoder = decoder or TokenizerDecoder.from_path(config.tokenizer_path)
@@ -143,14 +135,15 @@ async def start_detokenizer(
     )
     servicer = DetokenizerServicer(manager)
     server = GrpcServer(
-        [SERVICE_NAME], host=config.host, port=config.port, tls=config.tls,
+        [SERVICE_NAME],
+        host=config.host,
+        port=config.port,
+        tls=config.tls,
         health_port=config.health_port,
     )
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, server.server)
     port = await server.start()
-    sweeper = asyncio.create_task(
-        manager.run_sweeper(min(1.0, max(config.undelivered_hold_s / 4, 0.05)))
-    )
+    sweeper = asyncio.create_task(manager.run_sweeper(min(1.0, max(config.undelivered_hold_s / 4, 0.05))))
     return RunningDetokenizer(server, servicer, manager, port, sweeper)
 
 

@@ -13,7 +13,7 @@ import math
 import signal
 import sys
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 logger = logging.getLogger("meshlm.gateway")
 
@@ -26,7 +26,7 @@ def build_parser(prog: str = "python -m meshlm.gateway") -> argparse.ArgumentPar
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from meshlm.common.log import setup_logging
@@ -43,15 +43,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging("gateway", config.log_level, config.log_format)
     setup_telemetry("meshlm-gateway", config.otlp_endpoint)
     logger.info("gateway on %s:%d -> tokenizers %s", config.host, config.port, ",".join(config.tokenizer_addrs))
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_config=None,  # our root logger (setup_logging) formats uvicorn's records too
-        log_level=config.log_level.lower(),
-        timeout_graceful_shutdown=math.ceil(config.grace_period_s),
-        timeout_keep_alive=30,
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_config=None,  # our root logger (setup_logging) formats uvicorn's records too
+            log_level=config.log_level.lower(),
+            timeout_graceful_shutdown=math.ceil(config.grace_period_s),
+            timeout_keep_alive=30,
+        )
+    )
     # uvicorn drains on SIGTERM/SIGINT, restores the previous handlers and re-raises the signal; with
     # these the re-raise is a no-op, so a drained gateway exits 0 like the gRPC services.
     if threading.current_thread() is threading.main_thread():

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -39,9 +40,11 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.requests = self.metrics.counter(
-            "http_requests_total", "HTTP requests by route and status", ("route", "status"))
+            "http_requests_total", "HTTP requests by route and status", ("route", "status")
+        )
         self.duration = self.metrics.histogram(
-            "http_request_duration_seconds", "HTTP request latency (to the last byte)", ("route",))
+            "http_request_duration_seconds", "HTTP request latency (to the last byte)", ("route",)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.metrics.registry)
@@ -87,8 +90,9 @@ class TelemetryMiddleware:
 
         start = time.perf_counter()
         attributes = {"http.method": scope["method"], "http.route": route}
-        with telemetry.span(f"http {route}", _header(scope, b"traceparent"), _header(scope, b"tracestate"),
-                            attributes) as span:
+        with telemetry.span(
+            f"http {route}", _header(scope, b"traceparent"), _header(scope, b"tracestate"), attributes
+        ) as span:
             try:
                 await self.app(scope, receive, send_with_status)
             finally:
@@ -98,7 +102,7 @@ class TelemetryMiddleware:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: Optional[str]) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -112,13 +116,14 @@ class ApiKeyMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        response = error_response(401, "Unauthorized: send the API key as `Authorization: Bearer <key>`",
-                                  code="invalid_api_key")
+        response = error_response(
+            401, "Unauthorized: send the API key as `Authorization: Bearer <key>`", code="invalid_api_key"
+        )
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
 
-def create_app(config: GatewayConfig, pool: Optional[TokenizerPool] = None) -> FastAPI:
+def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> FastAPI:
     """The gateway app. Nothing connects until the first request (or the lifespan's start-up, which
     begins re-resolving and health-checking the tokenizer replicas)."""
     state = GatewayState(config, pool)
@@ -153,8 +158,11 @@ def create_app(config: GatewayConfig, pool: Optional[TokenizerPool] = None) -> F
 
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    routes = [*openai_serving.router.routes, *native.router.routes,
-              *(r for r in app.router.routes if hasattr(r, "path"))]
+    routes = [
+        *openai_serving.router.routes,
+        *native.router.routes,
+        *(r for r in app.router.routes if hasattr(r, "path")),
+    ]
     app.add_middleware(TelemetryMiddleware, metrics=metrics, routes=routes)
     return app
 

@@ -9,9 +9,10 @@ client to the tokenizers only (the HTTP side stays as it is).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, Mapping, Optional
+from typing import ClassVar
 
 from meshlm.common.addresses import parse_addresses
 from meshlm.common.flags import Flag
@@ -32,31 +33,24 @@ class GatewayConfig(ServiceConfig):
             **ServiceConfig.FLAGS,
             "host": Flag("address to bind the HTTP server to"),
             "port": Flag("HTTP port"),
-            "tokenizer_addrs": Flag(
-                "tokenizer replicas, comma-separated host:port list (re-resolved while running)"
-            ),
+            "tokenizer_addrs": Flag("tokenizer replicas, comma-separated host:port list (re-resolved while running)"),
             "api_key": Flag(
-                "require `Authorization: Bearer <key>` on every route but /health, "
-                "/health_generate, /metrics"
+                "require `Authorization: Bearer <key>` on every route but /health, /health_generate, /metrics"
             ),
-            "served_model_name": Flag(
-                "model name of /v1/* (default: the tokenizer's GetModelInfo.served_model_name)"
-            ),
-            "request_timeout_s": Flag(
-                "deadline of one generate/embed call to a tokenizer, in seconds"
-            ),
+            "served_model_name": Flag("model name of /v1/* (default: the tokenizer's GetModelInfo.served_model_name)"),
+            "request_timeout_s": Flag("deadline of one generate/embed call to a tokenizer, in seconds"),
         }
     )
 
     port: int = 30000
     tokenizer_addrs: tuple[str, ...] = ("localhost:50051",)
-    api_key: Optional[str] = None
-    served_model_name: Optional[str] = None
+    api_key: str | None = None
+    served_model_name: str | None = None
     request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         addrs = self.tokenizer_addrs
-        if isinstance(addrs, str) or isinstance(addrs, list):
+        if isinstance(addrs, (str, list)):
             object.__setattr__(self, "tokenizer_addrs", tuple(parse_addresses(addrs)))
         else:
             parse_addresses(list(addrs))  # validates host:port

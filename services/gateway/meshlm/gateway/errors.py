@@ -9,7 +9,7 @@ gRPC failures map through meshlm.common.errors (503 carries `Retry-After: 1`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,9 +41,9 @@ class APIError(Exception):
         status: int,
         message: str,
         *,
-        param: Optional[str] = None,
-        code: Optional[Any] = None,
-        type: Optional[str] = None,
+        param: str | None = None,
+        code: Any | None = None,
+        type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -53,16 +53,16 @@ class APIError(Exception):
         self.type = type
 
     @staticmethod
-    def from_service_error(e: ServiceError) -> "APIError":
+    def from_service_error(e: ServiceError) -> APIError:
         return APIError(e.http_status, e.message or e.code.name)
 
 
-def bad_request(message: str, param: Optional[str] = None) -> APIError:
+def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
 def error_body(
-    status: int, message: str, *, param: Optional[str] = None, code: Optional[Any] = None, type: Optional[str] = None
+    status: int, message: str, *, param: str | None = None, code: Any | None = None, type: str | None = None
 ) -> dict:
     return {
         "error": {
@@ -75,7 +75,7 @@ def error_body(
 
 
 def error_response(
-    status: int, message: str, *, param: Optional[str] = None, code: Optional[Any] = None, type: Optional[str] = None
+    status: int, message: str, *, param: str | None = None, code: Any | None = None, type: str | None = None
 ) -> JSONResponse:
     headers = {"Retry-After": "1"} if status == 503 else None
     body = error_body(status, message, param=param, code=code, type=type)
@@ -99,7 +99,7 @@ def _is_type_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
 
 
-def validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """(message, param) of pydantic/FastAPI validation errors; the message names the field and rule."""
     if not errors:
         return "invalid request", None

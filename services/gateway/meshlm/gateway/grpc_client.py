@@ -20,7 +20,8 @@ import contextlib
 import logging
 import time
 import zlib
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -80,7 +81,7 @@ class _Endpoint:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = True  # optimistic until a check says otherwise
         self.checked_at = 0.0
-        self.checking: Optional[asyncio.Task] = None
+        self.checking: asyncio.Task | None = None
 
 
 class GenerateStream:
@@ -117,8 +118,13 @@ class TokenizerPool:
     """Channels to the tokenizer replicas, created lazily in the running event loop."""
 
     def __init__(
-        self, addresses: Iterable[str], *, resolve_interval_s: float = 10.0, health_interval_s: float = 5.0,
-        health_timeout_s: float = 2.0, tls: Optional[TlsConfig] = None,
+        self,
+        addresses: Iterable[str],
+        *,
+        resolve_interval_s: float = 10.0,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 2.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.addresses = list(addresses)
         self.dialer = Dialer(tls)  # remembers the DNS name each endpoint was resolved from
@@ -127,9 +133,9 @@ class TokenizerPool:
         self.health_timeout_s = health_timeout_s
         self._endpoints: dict[str, _Endpoint] = {}
         self._resolved: list[str] = list(self.addresses)
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._rr = 0
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ endpoints
     def _ensure(self) -> None:
@@ -137,10 +143,7 @@ class TokenizerPool:
         if self._loop is not loop:  # grpc.aio channels belong to the loop that made them
             self._loop, self._endpoints = loop, {}
         if set(self._endpoints) != set(self._resolved):
-            kept = {
-                a: self._endpoints.get(a) or _Endpoint(a, self.dialer)
-                for a in self._resolved
-            }
+            kept = {a: self._endpoints.get(a) or _Endpoint(a, self.dialer) for a in self._resolved}
             for address, ep in self._endpoints.items():
                 if address not in kept:
                     loop.create_task(ep.channel.close(grace=5.0))
@@ -186,7 +189,7 @@ class TokenizerPool:
             for t in tasks:
                 t.cancel()
 
-    def pick(self, exclude: Iterable[str] = (), key: Optional[str] = None) -> _Endpoint:
+    def pick(self, exclude: Iterable[str] = (), key: str | None = None) -> _Endpoint:
         """Round robin over healthy endpoints (all of them if none is healthy); `key` pins by hash."""
         excluded = set(exclude)
         eps = [ep for ep in self.endpoints() if ep.address not in excluded]
@@ -239,9 +242,7 @@ class TokenizerPool:
         self._endpoints = {}
 
     # ------------------------------------------------------------------ calls
-    async def _unary(
-        self, call: StubCall[Reply], *, timeout: float, key: Optional[str] = None
-    ) -> Reply:
+    async def _unary(self, call: StubCall[Reply], *, timeout: float, key: str | None = None) -> Reply:
         """call(one endpoint's stub); UNAVAILABLE is retried on the other endpoints."""
         deadline = time.monotonic() + timeout
         tried: list[str] = []
@@ -257,42 +258,30 @@ class TokenizerPool:
                         continue
                 raise to_service_error(e, ep.address) from None
 
-    async def embed(
-        self, request: tokenizer_pb2.EmbedRequest, *, timeout: float
-    ) -> tokenizer_pb2.EmbedResponse:
+    async def embed(self, request: tokenizer_pb2.EmbedRequest, *, timeout: float) -> tokenizer_pb2.EmbedResponse:
         return await self._unary(lambda stub, t: stub.Embed(request, timeout=t), timeout=timeout)
 
     async def tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, *, timeout: float
     ) -> tokenizer_pb2.TokenizeResponse:
-        return await self._unary(
-            lambda stub, t: stub.Tokenize(request, timeout=t), timeout=timeout
-        )
+        return await self._unary(lambda stub, t: stub.Tokenize(request, timeout=t), timeout=timeout)
 
     async def detokenize(
         self, request: tokenizer_pb2.DetokenizeRequest, *, timeout: float
     ) -> tokenizer_pb2.DetokenizeResponse:
-        return await self._unary(
-            lambda stub, t: stub.Detokenize(request, timeout=t), timeout=timeout
-        )
+        return await self._unary(lambda stub, t: stub.Detokenize(request, timeout=t), timeout=timeout)
 
     async def get_model_info(self, *, timeout: float) -> common_pb2.ModelInfo:
         request = common_pb2.GetModelInfoRequest()
-        return await self._unary(
-            lambda stub, t: stub.GetModelInfo(request, timeout=t), timeout=timeout
-        )
+        return await self._unary(lambda stub, t: stub.GetModelInfo(request, timeout=t), timeout=timeout)
 
     async def get_server_info(self, *, timeout: float) -> tokenizer_pb2.ServerInfo:
         request = tokenizer_pb2.GetServerInfoRequest()
-        return await self._unary(
-            lambda stub, t: stub.GetServerInfo(request, timeout=t), timeout=timeout
-        )
+        return await self._unary(lambda stub, t: stub.GetServerInfo(request, timeout=t), timeout=timeout)
 
     async def flush_cache(self, *, timeout: float) -> tokenizer_pb2.FlushCacheResponse:
         request = tokenizer_pb2.FlushCacheRequest()
-        return await self._unary(
-            lambda stub, t: stub.FlushCache(request, timeout=t), timeout=timeout
-        )
+        return await self._unary(lambda stub, t: stub.FlushCache(request, timeout=t), timeout=timeout)
 
     async def open_session(
         self, request: tokenizer_pb2.OpenSessionRequest, *, timeout: float
@@ -300,7 +289,8 @@ class TokenizerPool:
         """Pinned, like every request of the session, by its id."""
         return await self._unary(
             lambda stub, t: stub.OpenSession(request, timeout=t),
-            timeout=timeout, key=request.session_id,
+            timeout=timeout,
+            key=request.session_id,
         )
 
     async def close_session(
@@ -308,7 +298,8 @@ class TokenizerPool:
     ) -> tokenizer_pb2.CloseSessionResponse:
         return await self._unary(
             lambda stub, t: stub.CloseSession(request, timeout=t),
-            timeout=timeout, key=request.session_id,
+            timeout=timeout,
+            key=request.session_id,
         )
 
     async def abort_everywhere(
@@ -326,7 +317,7 @@ class TokenizerPool:
         return list(await asyncio.gather(*(one(ep) for ep in self.endpoints())))
 
     async def generate(
-        self, request: tokenizer_pb2.GenerateRequest, *, timeout: float, key: Optional[str] = None
+        self, request: tokenizer_pb2.GenerateRequest, *, timeout: float, key: str | None = None
     ) -> GenerateStream:
         """Start Generate and wait for its first response, so errors before any output (bad input,
         overload) surface as HTTP errors. UNAVAILABLE before any output is retried elsewhere."""

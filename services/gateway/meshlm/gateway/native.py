@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import json
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -52,6 +53,8 @@ def route(path: str, methods: list[str]) -> Any:
         return endpoint
 
     return register
+
+
 HEALTH_CHECK_TIMEOUT_S = 20.0
 
 
@@ -63,32 +66,32 @@ class NativeSamplingParams(BaseModel):
     """SGLang's SamplingParams as a JSON object; unknown keys are rejected."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    max_new_tokens: Optional[int] = Field(None, ge=0, lt=1 << 31)
-    min_new_tokens: Optional[int] = Field(None, ge=0, lt=1 << 31)
-    temperature: Optional[float] = Field(None, ge=0)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1, lt=1 << 31)
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: Optional[bool] = None
-    skip_special_tokens: Optional[bool] = None
-    spaces_between_special_tokens: Optional[bool] = None
-    no_stop_trim: Optional[bool] = None
-    n: Optional[int] = Field(None, ge=1, le=128)
-    logit_bias: Optional[dict[str, float]] = None
-    sampling_seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63)
-    stream_interval: Optional[int] = Field(None, ge=1)
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
+    max_new_tokens: int | None = Field(None, ge=0, lt=1 << 31)
+    min_new_tokens: int | None = Field(None, ge=0, lt=1 << 31)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, lt=1 << 31)
+    min_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    n: int | None = Field(None, ge=1, le=128)
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    stream_interval: int | None = Field(None, ge=1)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @field_validator("top_k")
     @classmethod
-    def _top_k(cls, v: Optional[int]) -> Optional[int]:
+    def _top_k(cls, v: int | None) -> int | None:
         if v == 0:
             raise ValueError("must be -1 (whole vocabulary) or >= 1")
         return v
@@ -96,30 +99,30 @@ class NativeSamplingParams(BaseModel):
 
 class SessionParams(_Strict):
     id: str
-    rid: Optional[str] = None
+    rid: str | None = None
 
 
 class GenerateReqInput(_Strict):
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[NativeSamplingParams, list[NativeSamplingParams]]] = None
-    rid: Optional[Union[str, list[str]]] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    rid: str | list[str] | None = None
     return_logprob: bool = False
-    logprob_start_len: Optional[int] = Field(None, ge=-1, description="-1 = output tokens only")
+    logprob_start_len: int | None = Field(None, ge=-1, description="-1 = output tokens only")
     top_logprobs_num: int = Field(0, ge=0)
-    token_ids_logprob: Optional[list[int]] = None
+    token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
-    session_params: Optional[SessionParams] = None
-    input_embeds: Optional[Any] = None
-    image_data: Optional[Any] = None
-    lora_path: Optional[Any] = None
+    session_params: SessionParams | None = None
+    input_embeds: Any | None = None
+    image_data: Any | None = None
+    lora_path: Any | None = None
 
 
 class EmbeddingReqInput(_Strict):
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    rid: Optional[str] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | None = None
 
 
 class AbortReq(_Strict):
@@ -129,7 +132,7 @@ class AbortReq(_Strict):
 
 class OpenSessionReq(_Strict):
     capacity_of_str_len: int = Field(0, ge=0)
-    session_id: Optional[str] = None
+    session_id: str | None = None
 
 
 class CloseSessionReq(_Strict):
@@ -155,7 +158,7 @@ def _prompts(text: Any, input_ids: Any) -> tuple[list[tokenizer_pb2.Prompt], boo
     return [tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=ids)) for ids in items], batch
 
 
-def _sampling(sp: Optional[NativeSamplingParams]) -> common_pb2.SamplingParams:
+def _sampling(sp: NativeSamplingParams | None) -> common_pb2.SamplingParams:
     try:
         return sampling_params(sp.model_dump() if sp is not None else {})
     except (ValueError, TypeError) as e:
@@ -180,7 +183,7 @@ def proto_dict(message: Any) -> dict[str, Any]:
     return out
 
 
-def _tuples(entries: list[common_pb2.TokenLogprob], values: Optional[list[Optional[float]]], text: bool) -> list:
+def _tuples(entries: list[common_pb2.TokenLogprob], values: list[float | None] | None, text: bool) -> list:
     values = values if values is not None else [e.logprob for e in entries]
     return [[values[i], e.token_id, (e.text if text else None)] for i, e in enumerate(entries)]
 
@@ -201,8 +204,9 @@ def native_output(out: Output, body: GenerateReqInput, with_index: bool) -> dict
     }
     if body.return_logprob:
         lp, text = out.logprobs, body.return_text_in_logprobs
-        meta["input_token_logprobs"] = _tuples(lp["input_token_logprobs"],
-                                               input_logprob_values(lp["input_token_logprobs"]), text)
+        meta["input_token_logprobs"] = _tuples(
+            lp["input_token_logprobs"], input_logprob_values(lp["input_token_logprobs"]), text
+        )
         meta["output_token_logprobs"] = _tuples(lp["output_token_logprobs"], None, text)
         if body.top_logprobs_num:
             meta["input_top_logprobs"] = _tops(lp["input_top_logprobs"], text)
@@ -216,8 +220,9 @@ def native_output(out: Output, body: GenerateReqInput, with_index: bool) -> dict
     return result
 
 
-async def _open_all(st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest], key: Optional[str]
-                    ) -> list[GenerateStream]:
+async def _open_all(
+    st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest], key: str | None
+) -> list[GenerateStream]:
     tasks = [asyncio.ensure_future(st.pool.generate(c, timeout=st.config.request_timeout_s, key=key)) for c in calls]
     try:
         return list(await asyncio.gather(*tasks))
@@ -239,7 +244,7 @@ async def _merged(streams: list[GenerateStream], offsets: list[int]) -> AsyncIte
             streams[0].cancel()
         return
     # A response, the error that ended a stream, or None: a stream ended cleanly.
-    queue: asyncio.Queue[Union[tokenizer_pb2.GenerateResponse, Exception, None]] = asyncio.Queue()
+    queue: asyncio.Queue[tokenizer_pb2.GenerateResponse | Exception | None] = asyncio.Queue()
 
     async def pump(stream: GenerateStream, offset: int) -> None:
         try:
@@ -291,9 +296,12 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     base_rid = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
     request_id_var.set(base_rid)
     common = dict(
-        return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-        token_ids_logprob=body.token_ids_logprob or [], return_text_in_logprobs=body.return_text_in_logprobs,
-        stream=body.stream, trace=trace_context(),
+        return_logprob=body.return_logprob,
+        top_logprobs_num=body.top_logprobs_num,
+        token_ids_logprob=body.token_ids_logprob or [],
+        return_text_in_logprobs=body.return_text_in_logprobs,
+        stream=body.stream,
+        trace=trace_context(),
         session_id=body.session_params.id if body.session_params else "",
         session_rid=(body.session_params.rid or "") if body.session_params else "",
     )
@@ -306,8 +314,10 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     else:  # per-prompt sampling params or ids: one call per prompt
         calls = [
             tokenizer_pb2.GenerateRequest(
-                rid=rids[i] if rids else f"{base_rid}_{i}", prompts=[p],
-                sampling_params=_sampling(sps[i] if sps else body.sampling_params), **common,
+                rid=rids[i] if rids else f"{base_rid}_{i}",
+                prompts=[p],
+                sampling_params=_sampling(sps[i] if sps else body.sampling_params),
+                **common,
             )
             for i, p in enumerate(prompts)
         ]
@@ -328,12 +338,14 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
             for other in streams:
                 other.cancel()
             raise abort_error(abort)
-    return sse_response(_stream_events(streams, offsets, body, with_index),
-                        on_close=lambda: [s.cancel() for s in streams])
+    return sse_response(
+        _stream_events(streams, offsets, body, with_index), on_close=lambda: [s.cancel() for s in streams]
+    )
 
 
-async def _collect(st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest], key: Optional[str],
-                   offsets: list[int]) -> dict[int, Output]:
+async def _collect(
+    st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest], key: str | None, offsets: list[int]
+) -> dict[int, Output]:
     outputs: dict[int, Output] = {}
     merged = _merged(await _open_all(st, calls, key), offsets)
     try:
@@ -347,8 +359,9 @@ async def _collect(st: GatewayState, calls: list[tokenizer_pb2.GenerateRequest],
     return outputs
 
 
-async def _stream_events(streams: list[GenerateStream], offsets: list[int], body: GenerateReqInput,
-                         with_index: bool) -> AsyncIterator[str]:
+async def _stream_events(
+    streams: list[GenerateStream], offsets: list[int], body: GenerateReqInput, with_index: bool
+) -> AsyncIterator[str]:
     outputs: dict[int, Output] = {}
     merged = _merged(streams, offsets)
     try:
@@ -378,8 +391,10 @@ async def encode(body: EmbeddingReqInput, request: Request) -> Response:
     except ClientDisconnected:
         return Response(status_code=499)
     results = [
-        {"embedding": list(r.embedding),
-         "meta_info": {"id": f"{rid}_{r.index}" if batch else rid, "prompt_tokens": r.prompt_tokens}}
+        {
+            "embedding": list(r.embedding),
+            "meta_info": {"id": f"{rid}_{r.index}" if batch else rid, "prompt_tokens": r.prompt_tokens},
+        }
         for r in sorted(reply.results, key=lambda r: r.index)
     ]
     return JSONResponse(results if batch else results[0])
@@ -407,13 +422,15 @@ async def health_generate(request: Request) -> Response:
         info = await st.model_info()
         if info.is_generation:
             greq = tokenizer_pb2.GenerateRequest(
-                rid=rid, prompts=[prompt], stream=True, trace=trace_context(),
+                rid=rid,
+                prompts=[prompt],
+                stream=True,
+                trace=trace_context(),
                 sampling_params=common_pb2.SamplingParams(max_new_tokens=1, temperature=0.0),
             )
             (await st.pool.generate(greq, timeout=HEALTH_CHECK_TIMEOUT_S)).cancel()  # any output will do
         else:
-            await st.pool.embed(tokenizer_pb2.EmbedRequest(rid=rid, prompts=[prompt]),
-                                timeout=HEALTH_CHECK_TIMEOUT_S)
+            await st.pool.embed(tokenizer_pb2.EmbedRequest(rid=rid, prompts=[prompt]), timeout=HEALTH_CHECK_TIMEOUT_S)
 
     try:
         await asyncio.wait_for(probe(), HEALTH_CHECK_TIMEOUT_S)
@@ -444,10 +461,10 @@ async def get_server_info(request: Request) -> dict:
     with contextlib.suppress(ValueError):
         out["tokenizer_config"] = json.loads(info.config_json) if info.config_json else {}
     out.update(
-        version=info.version, tokenizer_id=info.tokenizer_id,
+        version=info.version,
+        tokenizer_id=info.tokenizer_id,
         schedulers=[proto_dict(s) for s in info.schedulers],
-        gateway={"tokenizer_addrs": list(st.config.tokenizer_addrs),
-                 "request_timeout_s": st.config.request_timeout_s},
+        gateway={"tokenizer_addrs": list(st.config.tokenizer_addrs), "request_timeout_s": st.config.request_timeout_s},
     )
     return out
 
@@ -471,7 +488,8 @@ async def abort_request(body: AbortReq, request: Request) -> Response:
         raise bad_request("give a rid or abort_all=true", "rid")
     st = get_state(request)
     replies = await st.pool.abort_everywhere(
-        tokenizer_pb2.AbortRequest(rid=body.rid, abort_all=body.abort_all), timeout=st.control_timeout_s)
+        tokenizer_pb2.AbortRequest(rid=body.rid, abort_all=body.abort_all), timeout=st.control_timeout_s
+    )
     errors = [r for r in replies if isinstance(r, ServiceError)]
     if replies and len(errors) == len(replies):
         raise APIError.from_service_error(errors[0])
@@ -479,7 +497,7 @@ async def abort_request(body: AbortReq, request: Request) -> Response:
 
 
 @route("/open_session", ["POST", "GET"])
-async def open_session(request: Request, body: Optional[OpenSessionReq] = None) -> Response:
+async def open_session(request: Request, body: OpenSessionReq | None = None) -> Response:
     st = get_state(request)
     body = body or OpenSessionReq()
     session_id = body.session_id or uuid.uuid4().hex  # chosen here so all its requests pin to one tokenizer
@@ -493,6 +511,7 @@ async def open_session(request: Request, body: Optional[OpenSessionReq] = None) 
 @route("/close_session", ["POST", "GET"])
 async def close_session(body: CloseSessionReq, request: Request) -> Response:
     st = get_state(request)
-    await st.pool.close_session(tokenizer_pb2.CloseSessionRequest(session_id=body.session_id),
-                                timeout=st.control_timeout_s)
+    await st.pool.close_session(
+        tokenizer_pb2.CloseSessionRequest(session_id=body.session_id), timeout=st.control_timeout_s
+    )
     return Response(status_code=200)

@@ -7,7 +7,7 @@ OpenAI's API is narrower (n, temperature)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -20,7 +20,7 @@ OPENAI_MAX_N = 128
 OPENAI_MAX_TEMPERATURE = 2  # OpenAI's limit; the servers take any finite temperature >= 0
 
 
-def _ruled(default: Any, rule: str, description: Optional[str] = None, **narrower: float) -> Any:
+def _ruled(default: Any, rule: str, description: str | None = None, **narrower: float) -> Any:
     """A Field bounded as meshlm.common.sampling_rules.RANGES[rule], narrowed by `narrower`."""
     return Field(default, description=description, **RANGES[rule].bounds(**narrower))
 
@@ -47,47 +47,45 @@ def check_prompt(v: Any) -> Any:
 class _SamplingFields(_Request):
     """Sampling fields shared by completions and chat (OpenAI's, then SGLang's extras)."""
 
-    model: Optional[str] = Field(None, description="must be the served model name (GET /v1/models)")
+    model: str | None = Field(None, description="must be the served model name (GET /v1/models)")
     n: int = _ruled(1, "n", le=OPENAI_MAX_N)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = _ruled(
-        None, "temperature", "default 1.0", le=OPENAI_MAX_TEMPERATURE
-    )
-    top_p: Optional[float] = _ruled(None, "top_p", "default 1.0")
-    presence_penalty: Optional[float] = _ruled(None, "presence_penalty")
-    frequency_penalty: Optional[float] = _ruled(None, "frequency_penalty")
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = _ruled(None, "temperature", "default 1.0", le=OPENAI_MAX_TEMPERATURE)
+    top_p: float | None = _ruled(None, "top_p", "default 1.0")
+    presence_penalty: float | None = _ruled(None, "presence_penalty")
+    frequency_penalty: float | None = _ruled(None, "frequency_penalty")
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
     # SGLang extras
-    top_k: Optional[int] = Field(None, lt=INT32, description="-1 = whole vocabulary")
-    min_p: Optional[float] = _ruled(None, "min_p")
-    min_tokens: Optional[int] = _ruled(None, "min_new_tokens", lt=INT32)
-    repetition_penalty: Optional[float] = _ruled(None, "repetition_penalty")
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: Optional[bool] = None
-    skip_special_tokens: Optional[bool] = None
-    spaces_between_special_tokens: Optional[bool] = None
-    no_stop_trim: Optional[bool] = None
-    rid: Optional[str] = None
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
+    top_k: int | None = Field(None, lt=INT32, description="-1 = whole vocabulary")
+    min_p: float | None = _ruled(None, "min_p")
+    min_tokens: int | None = _ruled(None, "min_new_tokens", lt=INT32)
+    repetition_penalty: float | None = _ruled(None, "repetition_penalty")
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
 
     @field_validator("top_k")
     @classmethod
-    def _top_k(cls, v: Optional[int]) -> Optional[int]:
+    def _top_k(cls, v: int | None) -> int | None:
         if v is not None and not RANGES["top_k"].allows(v):
             raise ValueError(f"must be {RANGES['top_k'].describe()}")
         return v
 
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
             if not key.lstrip("-").isdigit() or int(key) < 0:
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
@@ -97,19 +95,19 @@ class _SamplingFields(_Request):
 
     @field_validator("rid")
     @classmethod
-    def _rid(cls, v: Optional[str]) -> Optional[str]:
+    def _rid(cls, v: str | None) -> str | None:
         if v is not None and not v:
             raise ValueError("must not be empty")
         return v
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = _ruled(16, "max_new_tokens", lt=INT32)
-    logprobs: Optional[int] = Field(None, ge=0, le=20, description="number of top logprobs per token")
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = _ruled(16, "max_new_tokens", lt=INT32)
+    logprobs: int | None = Field(None, ge=0, le=20, description="number of top logprobs per token")
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1)
-    suffix: Optional[str] = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -120,38 +118,36 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = _ruled(
-        None, "max_new_tokens", "deprecated; max_completion_tokens wins", lt=INT32
-    )
-    max_completion_tokens: Optional[int] = _ruled(None, "max_new_tokens", lt=INT32)
+    max_tokens: int | None = _ruled(None, "max_new_tokens", "deprecated; max_completion_tokens wins", lt=INT32)
+    max_completion_tokens: int | None = _ruled(None, "max_new_tokens", lt=INT32)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     continue_final_message: bool = False
-    tool_choice: Optional[Any] = None
+    tool_choice: Any | None = None
 
     @property
-    def max_new_tokens(self) -> Optional[int]:
+    def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class EmbeddingRequest(_Request):
-    model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = Field(None, ge=1)
-    user: Optional[str] = None
-    rid: Optional[str] = None
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    rid: str | None = None
 
     @field_validator("input")
     @classmethod
@@ -160,15 +156,15 @@ class EmbeddingRequest(_Request):
 
 
 class TokenizeRequest(_Request):
-    model: Optional[str] = None
-    prompt: Union[str, list[ChatMessage]]
+    model: str | None = None
+    prompt: str | list[ChatMessage]
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Request):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]
-    skip_special_tokens: Optional[bool] = None
+    skip_special_tokens: bool | None = None
 
 
 # ---------------------------------------------------------------------------- responses
@@ -191,17 +187,17 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[Optional[float]] = []
-    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = []
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
-    matched_stop: Optional[Union[int, str]] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    matched_stop: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -211,7 +207,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -220,13 +216,13 @@ class CompletionStreamResponse(BaseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class ChatLogprobToken(TopLogprob):
@@ -234,21 +230,21 @@ class ChatLogprobToken(TopLogprob):
 
 
 class ChatLogprobs(BaseModel):
-    content: Optional[list[ChatLogprobToken]] = None
-    refusal: Optional[list[ChatLogprobToken]] = None
+    content: list[ChatLogprobToken] | None = None
+    refusal: list[ChatLogprobToken] | None = None
 
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
+    content: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
-    matched_stop: Optional[Union[int, str]] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -258,12 +254,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str | None = None
 
 
 class DeltaMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict:
@@ -273,9 +269,9 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
-    matched_stop: Optional[Union[int, str]] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -284,13 +280,13 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatStreamChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: Union[list[float], str]
+    embedding: list[float] | str
 
 
 class EmbeddingUsage(BaseModel):
@@ -310,8 +306,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "meshlm"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

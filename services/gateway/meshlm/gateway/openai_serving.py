@@ -10,7 +10,8 @@ import base64
 import json
 import sys
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -69,7 +70,7 @@ from meshlm.gateway.state import GatewayState, get_state
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
 router = APIRouter(tags=["OpenAI-compatible"])
-PromptValue = Union[str, list[str], list[int], list[list[int]]]
+PromptValue = str | list[str] | list[int] | list[list[int]]
 
 # ---------------------------------------------------------------------------- request building
 
@@ -85,20 +86,34 @@ def prompts_of(value: PromptValue) -> list[tokenizer_pb2.Prompt]:
     return [tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=v)) for v in value]
 
 
-def build_sampling(req: Any, max_new_tokens: Optional[int]) -> common_pb2.SamplingParams:
+def build_sampling(req: Any, max_new_tokens: int | None) -> common_pb2.SamplingParams:
     if req.tools:
         raise bad_request("tools (function calling) are not supported", "tools")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     values = dict(
-        max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens, temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
-        stop=[s for s in stop if s] or None, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
-        no_stop_trim=req.no_stop_trim, n=req.n, logit_bias=req.logit_bias, sampling_seed=req.seed,
-        json_schema=req.json_schema, regex=req.regex, ebnf=req.ebnf,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=req.min_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty,
+        stop=[s for s in stop if s] or None,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        no_stop_trim=req.no_stop_trim,
+        n=req.n,
+        logit_bias=req.logit_bias,
+        sampling_seed=req.seed,
+        json_schema=req.json_schema,
+        regex=req.regex,
+        ebnf=req.ebnf,
     )
     fmt = req.response_format
     if fmt is not None:
@@ -111,8 +126,9 @@ def build_sampling(req: Any, max_new_tokens: Optional[int]) -> common_pb2.Sampli
                 raise bad_request("response_format.json_schema.schema must be an object", "response_format")
             values["json_schema"] = json.dumps(schema)
         elif kind != "text":
-            raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                              "response_format")
+            raise bad_request(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format"
+            )
     try:
         return sampling_params(values)
     except (ValueError, TypeError) as e:
@@ -125,7 +141,9 @@ def usage_of(outputs: dict[int, Output], n: int) -> UsageInfo:
     prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outputs.values())
     return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in firsts)),
     )
 
@@ -149,8 +167,7 @@ async def run_generate(request: Request, st: GatewayState, greq: tokenizer_pb2.G
     return await cancel_on_disconnect(request, collect(st, greq))
 
 
-async def open_stream(request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest
-                      ) -> Optional[GenerateStream]:
+async def open_stream(request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest) -> GenerateStream | None:
     """Start a streaming Generate and wait for its first response (an error before any output is an
     HTTP error, not an SSE event); None if the client left meanwhile."""
     try:
@@ -161,7 +178,7 @@ async def open_stream(request: Request, st: GatewayState, greq: tokenizer_pb2.Ge
 
 async def open_sse_stream(
     request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest
-) -> Union[GenerateStream, Response]:
+) -> GenerateStream | Response:
     """open_stream for an SSE route: the stream, a 499 response if the client left, or the HTTP
     error of a request aborted before any output (bad input is a 400, not an SSE event)."""
     stream = await open_stream(request, st, greq)
@@ -218,7 +235,7 @@ def disconnected() -> Response:
 
 
 def completion_logprobs(
-    entries: list[Any], values: list[Optional[float]], tops: Optional[list[Any]], offset: int, into: CompletionLogprobs
+    entries: list[Any], values: list[float | None], tops: list[Any] | None, offset: int, into: CompletionLogprobs
 ) -> int:
     """Append tokens in OpenAI's completions shape; returns the text offset after them."""
     for i, entry in enumerate(entries):
@@ -233,7 +250,7 @@ def completion_logprobs(
 
 
 def completion_logprobs_of(
-    lp: common_pb2.LogprobDelta, top: bool, echo_offset: Optional[int], offset: int
+    lp: common_pb2.LogprobDelta, top: bool, echo_offset: int | None, offset: int
 ) -> tuple[CompletionLogprobs, int]:
     """Logprobs of one delta (or a whole output); prompt tokens first when echoing."""
     out = CompletionLogprobs(top_logprobs=[] if top else None)
@@ -261,11 +278,17 @@ def chat_logprobs_of(lp: common_pb2.LogprobDelta, top: int) -> ChatLogprobs:
     tops = list(lp.output_top_logprobs)
     for i, e in enumerate(lp.output_token_logprobs):
         alternatives = tops[i].entries if top and i < len(tops) else []
-        content.append(ChatLogprobToken(
-            token=e.text, logprob=e.logprob, bytes=list(e.text.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode("utf-8")))
-                          for t in alternatives],
-        ))
+        content.append(
+            ChatLogprobToken(
+                token=e.text,
+                logprob=e.logprob,
+                bytes=list(e.text.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode("utf-8")))
+                    for t in alternatives
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -301,9 +324,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     request_id_var.set(rid)
     want_lp = body.logprobs is not None
     greq = tokenizer_pb2.GenerateRequest(
-        rid=rid, prompts=prompts_of(body.prompt), sampling_params=build_sampling(body, body.max_tokens),
-        return_logprob=want_lp, top_logprobs_num=body.logprobs or 0, return_text_in_logprobs=want_lp,
-        stream=body.stream, trace=trace_context(),
+        rid=rid,
+        prompts=prompts_of(body.prompt),
+        sampling_params=build_sampling(body, body.max_tokens),
+        return_logprob=want_lp,
+        top_logprobs_num=body.logprobs or 0,
+        return_text_in_logprobs=want_lp,
+        stream=body.stream,
+        trace=trace_context(),
     )
     if body.echo and want_lp:
         greq.logprob_start_len = 0
@@ -323,16 +351,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             logprobs, _ = completion_logprobs_of(
                 _logprob_delta(out), bool(body.logprobs), len(echo) if body.echo else None, len(echo)
             )
-        choices.append(CompletionChoice(
-            index=index, text=echo + out.text, logprobs=logprobs, finish_reason=out.openai_finish_reason(),
-            matched_stop=out.matched_stop(),
-        ))
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=echo + out.text,
+                logprobs=logprobs,
+                finish_reason=out.openai_finish_reason(),
+                matched_stop=out.matched_stop(),
+            )
+        )
     return json_response(CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(outputs, body.n)))
 
 
 async def _stream_completion(
-    request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest, body: CompletionRequest, model: str,
-    echoes: Optional[list[str]],
+    request: Request,
+    st: GatewayState,
+    greq: tokenizer_pb2.GenerateRequest,
+    body: CompletionRequest,
+    model: str,
+    echoes: list[str] | None,
 ) -> Response:
     stream = await open_sse_stream(request, st, greq)
     if isinstance(stream, Response):
@@ -349,21 +386,32 @@ async def _stream_completion(
         logprobs = None
         if greq.return_logprob:
             logprobs, offsets[index] = completion_logprobs_of(
-                response.meta_info.logprobs, bool(body.logprobs), len(prefix) if body.echo else None,
+                response.meta_info.logprobs,
+                bool(body.logprobs),
+                len(prefix) if body.echo else None,
                 offsets[index],
             )
         if prefix or response.text or out.finished or (logprobs and logprobs.tokens):
             choice = CompletionChoice(
-                index=index, text=prefix + response.text, logprobs=logprobs,
-                finish_reason=out.openai_finish_reason(), matched_stop=out.matched_stop(),
+                index=index,
+                text=prefix + response.text,
+                logprobs=logprobs,
+                finish_reason=out.openai_finish_reason(),
+                matched_stop=out.matched_stop(),
             )
-            yield sse(CompletionStreamResponse(id=greq.rid, created=created, model=model,
-                                               choices=[choice]).model_dump(mode="json"))
+            yield sse(
+                CompletionStreamResponse(id=greq.rid, created=created, model=model, choices=[choice]).model_dump(
+                    mode="json"
+                )
+            )
 
     def on_done(outputs: dict[int, Output]) -> Iterable[str]:
         if include_usage:
-            yield sse(CompletionStreamResponse(id=greq.rid, created=created, model=model, choices=[],
-                                               usage=usage_of(outputs, body.n)).model_dump(mode="json"))
+            yield sse(
+                CompletionStreamResponse(
+                    id=greq.rid, created=created, model=model, choices=[], usage=usage_of(outputs, body.n)
+                ).model_dump(mode="json")
+            )
 
     return sse_response(choice_events(stream, on_response, on_done), on_close=stream.cancel)
 
@@ -380,16 +428,18 @@ def chat_prompt(body: ChatCompletionRequest) -> tokenizer_pb2.Prompt:
             parts = []
             for part in m.content:
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                                      "messages")
+                    raise bad_request(
+                        f"messages[{i}].content: only text parts are supported, got {part.type!r}", "messages"
+                    )
                 parts.append(part.text)
             content = "".join(parts)
         role = "system" if m.role == "developer" else m.role
         messages.append(tokenizer_pb2.ChatMessage(role=role, content=content))
     if body.continue_final_message and body.messages[-1].role != "assistant":
         raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
-    return tokenizer_pb2.Prompt(messages=tokenizer_pb2.ChatMessages(
-        messages=messages, add_generation_prompt=not body.continue_final_message))
+    return tokenizer_pb2.Prompt(
+        messages=tokenizer_pb2.ChatMessages(messages=messages, add_generation_prompt=not body.continue_final_message)
+    )
 
 
 @router.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
@@ -401,9 +451,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     rid = body.rid or uuid.uuid4().hex
     request_id_var.set(rid)
     greq = tokenizer_pb2.GenerateRequest(
-        rid=rid, prompts=[chat_prompt(body)], sampling_params=build_sampling(body, body.max_new_tokens),
-        return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-        return_text_in_logprobs=body.logprobs, stream=body.stream, trace=trace_context(),
+        rid=rid,
+        prompts=[chat_prompt(body)],
+        sampling_params=build_sampling(body, body.max_new_tokens),
+        return_logprob=body.logprobs,
+        top_logprobs_num=body.top_logprobs or 0,
+        return_text_in_logprobs=body.logprobs,
+        stream=body.stream,
+        trace=trace_context(),
     )
     if body.stream:
         return await _stream_chat(request, st, greq, body, model)
@@ -413,26 +468,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return disconnected()
     choices = [
         ChatChoice(
-            index=index, message=ChatMessageOut(content=out.text),
+            index=index,
+            message=ChatMessageOut(content=out.text),
             logprobs=chat_logprobs_of(_logprob_delta(out), body.top_logprobs or 0) if body.logprobs else None,
-            finish_reason=out.openai_finish_reason(), matched_stop=out.matched_stop(),
+            finish_reason=out.openai_finish_reason(),
+            matched_stop=out.matched_stop(),
         )
         for index, out in sorted(outputs.items())
     ]
     return json_response(ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(outputs, body.n)))
 
 
-async def _stream_chat(request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest,
-                       body: ChatCompletionRequest, model: str) -> Response:
+async def _stream_chat(
+    request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest, body: ChatCompletionRequest, model: str
+) -> Response:
     stream = await open_sse_stream(request, st, greq)
     if isinstance(stream, Response):
         return stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     created = now()
 
-    def chunk(choice: Optional[ChatStreamChoice], usage: Optional[UsageInfo] = None) -> str:
-        return sse(ChatCompletionChunk(id=greq.rid, created=created, model=model,
-                                       choices=[choice] if choice else [], usage=usage).model_dump(mode="json"))
+    def chunk(choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
+        return sse(
+            ChatCompletionChunk(
+                id=greq.rid, created=created, model=model, choices=[choice] if choice else [], usage=usage
+            ).model_dump(mode="json")
+        )
 
     def on_response(out: Output, response: tokenizer_pb2.GenerateResponse, first: bool) -> Iterable[str]:
         index = response.index
@@ -444,8 +505,14 @@ async def _stream_chat(request: Request, st: GatewayState, greq: tokenizer_pb2.G
         if response.text or logprobs:
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=response.text), logprobs=logprobs))
         if out.finished:
-            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=out.openai_finish_reason(),
-                                         matched_stop=out.matched_stop()))
+            yield chunk(
+                ChatStreamChoice(
+                    index=index,
+                    delta=DeltaMessage(),
+                    finish_reason=out.openai_finish_reason(),
+                    matched_stop=out.matched_stop(),
+                )
+            )
 
     def on_done(outputs: dict[int, Output]) -> Iterable[str]:
         if include_usage:
@@ -470,8 +537,9 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     model = await st.check_model(body.model)
     if body.dimensions is not None:
         raise bad_request("dimensions is not supported", "dimensions")
-    ereq = tokenizer_pb2.EmbedRequest(rid=body.rid or uuid.uuid4().hex, prompts=prompts_of(body.input),
-                                      trace=trace_context())
+    ereq = tokenizer_pb2.EmbedRequest(
+        rid=body.rid or uuid.uuid4().hex, prompts=prompts_of(body.input), trace=trace_context()
+    )
     try:
         reply = await cancel_on_disconnect(request, st.pool.embed(ereq, timeout=st.config.request_timeout_s))
     except ClientDisconnected:
@@ -497,8 +565,12 @@ async def _model_card(st: GatewayState) -> ModelCard:
             info = await st.model_info(timeout=2.0)
         except ServiceError:
             info = None  # a configured name works without a tokenizer; the details are best effort
-    return ModelCard(id=name, created=st.started, root=(info.model_path or None) if info else None,
-                     max_model_len=(info.context_length or None) if info else None)
+    return ModelCard(
+        id=name,
+        created=st.started,
+        root=(info.model_path or None) if info else None,
+        max_model_len=(info.context_length or None) if info else None,
+    )
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -520,11 +592,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if isinstance(body.prompt, str):
         prompt = tokenizer_pb2.Prompt(text=body.prompt)
     else:
-        msgs = [tokenizer_pb2.ChatMessage(role=m.role, content=m.content if isinstance(m.content, str) else "")
-                for m in body.prompt]
+        msgs = [
+            tokenizer_pb2.ChatMessage(role=m.role, content=m.content if isinstance(m.content, str) else "")
+            for m in body.prompt
+        ]
         prompt = tokenizer_pb2.Prompt(messages=tokenizer_pb2.ChatMessages(messages=msgs))
-    reply = await st.pool.tokenize(tokenizer_pb2.TokenizeRequest(
-        prompt=prompt, add_special_tokens=body.add_special_tokens), timeout=st.control_timeout_s)
+    reply = await st.pool.tokenize(
+        tokenizer_pb2.TokenizeRequest(prompt=prompt, add_special_tokens=body.add_special_tokens),
+        timeout=st.control_timeout_s,
+    )
     return TokenizeResponse(tokens=list(reply.tokens), count=reply.count, max_model_len=reply.max_model_len)
 
 

@@ -7,7 +7,8 @@ one whole message per output when not streaming; `Output.add` handles both the s
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
@@ -29,14 +30,14 @@ def abort_error(finish: FinishReason) -> APIError:
     return APIError(finish.http_status, finish.message or "the request was aborted")
 
 
-def response_finish(response: Optional[tokenizer_pb2.GenerateResponse]) -> Optional[FinishReason]:
+def response_finish(response: tokenizer_pb2.GenerateResponse | None) -> FinishReason | None:
     """The finish reason of a response (None while its output runs)."""
     if response is None or not response.finished:
         return None
     return FinishReason.from_proto(response.meta_info.finish_reason)
 
 
-def first_abort(response: Optional[tokenizer_pb2.GenerateResponse]) -> Optional[FinishReason]:
+def first_abort(response: tokenizer_pb2.GenerateResponse | None) -> FinishReason | None:
     """The ABORT a stream's first response ends with, if it does."""
     finish = response_finish(response)
     return finish if finish is not None and finish.is_abort else None
@@ -51,7 +52,7 @@ class Output:
         self.text = ""
         self.output_ids: list[int] = []
         self.finished = False
-        self.finish: Optional[FinishReason] = None
+        self.finish: FinishReason | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -79,27 +80,27 @@ class Output:
             self.finish = response_finish(response)
 
     @property
-    def abort(self) -> Optional[FinishReason]:
+    def abort(self) -> FinishReason | None:
         """The ABORT the output ended with, if it did."""
         return self.finish if self.finish is not None and self.finish.is_abort else None
 
-    def openai_finish_reason(self) -> Optional[str]:
+    def openai_finish_reason(self) -> str | None:
         """stop | length (None while running; an abort is an error, not a finish reason)."""
         if not self.finished or self.finish is None:
             return None
         return "length" if self.finish.kind is FinishKind.LENGTH else "stop"
 
-    def matched_stop(self) -> Optional[Union[int, str]]:
+    def matched_stop(self) -> int | str | None:
         return self.finish.matched if self.finish is not None else None
 
-    def sglang_finish_reason(self) -> Optional[dict[str, Any]]:
+    def sglang_finish_reason(self) -> dict[str, Any] | None:
         """SGLang's finish_reason dict (FinishReason.to_json); None while running."""
         if not self.finished or self.finish is None:
             return None
         return self.finish.to_json()
 
 
-def input_logprob_values(entries: list[common_pb2.TokenLogprob]) -> list[Optional[float]]:
+def input_logprob_values(entries: list[common_pb2.TokenLogprob]) -> list[float | None]:
     """Prompt logprobs; the first prompt token has none (SGLang's None)."""
     flagged = any(e.has_logprob for e in entries)
     return [
@@ -123,9 +124,10 @@ class SSEResponse(StreamingResponse):
     """An SSE stream that runs `on_close` however the response ends (finished, client gone, server
     shutting down), even if the body never started, so the gRPC call behind it is always cancelled."""
 
-    def __init__(self, body: AsyncIterator[str], on_close: Optional[Callable[[], None]] = None) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -136,5 +138,5 @@ class SSEResponse(StreamingResponse):
                 self.on_close()
 
 
-def sse_response(body: AsyncIterator[str], on_close: Optional[Callable[[], None]] = None) -> SSEResponse:
+def sse_response(body: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> SSEResponse:
     return SSEResponse(body, on_close)

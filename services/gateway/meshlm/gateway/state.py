@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from fastapi import Request
 
@@ -16,23 +15,23 @@ CONTROL_TIMEOUT_S = 30.0  # deadline of control calls (model info, flush, sessio
 
 
 class GatewayState:
-    def __init__(self, config: GatewayConfig, pool: Optional[TokenizerPool] = None) -> None:
+    def __init__(self, config: GatewayConfig, pool: TokenizerPool | None = None) -> None:
         self.config = config
         self.pool = pool or TokenizerPool(config.tokenizer_addrs, tls=config.tls)
         self.started = int(time.time())
-        self._model_info: Optional[common_pb2.ModelInfo] = None
+        self._model_info: common_pb2.ModelInfo | None = None
 
     @property
     def control_timeout_s(self) -> float:
         return min(CONTROL_TIMEOUT_S, self.config.request_timeout_s)
 
-    async def model_info(self, timeout: Optional[float] = None) -> common_pb2.ModelInfo:
+    async def model_info(self, timeout: float | None = None) -> common_pb2.ModelInfo:
         """GetModelInfo from a tokenizer, fetched once (the model does not change while serving)."""
         if self._model_info is None:  # concurrent first fetches are harmless
             self._model_info = await self.pool.get_model_info(timeout=timeout or self.control_timeout_s)
         return self._model_info
 
-    def cached_model_info(self) -> Optional[common_pb2.ModelInfo]:
+    def cached_model_info(self) -> common_pb2.ModelInfo | None:
         return self._model_info
 
     async def served_model_name(self) -> str:
@@ -41,12 +40,14 @@ class GatewayState:
         info = await self.model_info()
         return info.served_model_name or info.model_path
 
-    async def check_model(self, model: Optional[str]) -> str:
+    async def check_model(self, model: str | None) -> str:
         """The served model name; 404 model_not_found when the request names another model."""
         name = await self.served_model_name()
         if model is not None and model != name:
             raise APIError(
-                404, f"The model `{model}` does not exist (this server serves `{name}`)", param="model",
+                404,
+                f"The model `{model}` does not exist (this server serves `{name}`)",
+                param="model",
                 code="model_not_found",
             )
         return name

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from meshlm.common.flags import Flag, add_config_flags
 
@@ -23,16 +24,16 @@ class SchedulerConfig:
     Sizes left as None are derived at start-up from the model and the memory budget.
     """
 
-    model_path: Optional[str] = None  # HF dir or .gguf; None = the packaged SmolLM2-135M-Instruct
-    tokenizer_path: Optional[str] = None  # defaults to model_path
+    model_path: str | None = None  # HF dir or .gguf; None = the packaged SmolLM2-135M-Instruct
+    tokenizer_path: str | None = None  # defaults to model_path
     dtype: str = "auto"  # auto = bfloat16 on a CPU with native bf16, else float32; CUDA: the checkpoint's
     device: str = "auto"  # auto = cuda if available else cpu
-    context_length: Optional[int] = None
+    context_length: int | None = None
     page_size: int = 1
-    max_total_tokens: Optional[int] = None  # KV pool size in tokens
-    kv_cache_memory_gb: Optional[float] = None  # KV budget; CPU default 2 GiB
+    max_total_tokens: int | None = None  # KV pool size in tokens
+    kv_cache_memory_gb: float | None = None  # KV budget; CPU default 2 GiB
     mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
-    max_running_requests: Optional[int] = None
+    max_running_requests: int | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 4096  # -1 disables chunking
     enable_mixed_chunk: bool = False  # decode tokens of running requests ride in prefill batches
@@ -40,10 +41,10 @@ class SchedulerConfig:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     stream_interval: int = 1
-    max_queued_requests: Optional[int] = None
+    max_queued_requests: int | None = None
     attention_backend: str = "auto"
     fused_ops: str = "auto"  # auto = CPU: prepacked oneDNN linears + fused C elementwise; torch = eager
-    random_seed: Optional[int] = None
+    random_seed: int | None = None
     tp_size: int = 1
     disaggregation_mode: str = "null"  # null = unified; prefill / decode = PD roles
     load_progress: bool = True
@@ -54,7 +55,9 @@ class SchedulerConfig:
                 raise ValueError(msg)
 
         need(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
-        need(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
+        need(
+            self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}"
+        )
         need(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
             f"chunked_prefill_size must be -1 or >= page_size ({self.page_size}), got {self.chunked_prefill_size}",
@@ -82,15 +85,15 @@ class SchedulerConfig:
         if self.max_running_requests is not None:
             need(self.max_running_requests >= 1, "max_running_requests must be >= 1")
 
-    def replace(self, **changes: Any) -> "SchedulerConfig":
+    def replace(self, **changes: Any) -> SchedulerConfig:
         return dataclasses.replace(self, **changes)
 
     # ---- CLI ------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(
         parser: argparse.ArgumentParser,
-        env_prefix: Optional[str] = None,
-        environ: Optional[Mapping[str, str]] = None,
+        env_prefix: str | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         """Add one flag per field (meshlm.common.flags: bools are --x / --no-x); with env_prefix
         each defaults to its <env_prefix><FIELD> environment variable when set."""
@@ -130,7 +133,9 @@ class SchedulerConfig:
                 "model's own Q4_1 / Q8_0 blocks where they hold it exactly, else dense) | torch "
                 "(F.linear and eager torch ops)"
             ),
-            "random_seed": "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)",
+            "random_seed": (
+                "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)"
+            ),
             "tp_size": "tensor-parallel size (ranks in this scheduler's pod)",
             "disaggregation_mode": (
                 "prefill/decode disaggregation role: null (prefill and decode here) | prefill "
@@ -138,13 +143,10 @@ class SchedulerConfig:
             ),
             "load_progress": "show a progress bar while loading weights",
         }
-        flags = {
-            name: Flag(text, aliases=("--model",) if name == "model_path" else ())
-            for name, text in helps.items()
-        }
+        flags = {name: Flag(text, aliases=("--model",) if name == "model_path" else ()) for name, text in helps.items()}
         group = parser.add_argument_group("engine")
         add_config_flags(group, SchedulerConfig, flags, env_prefix=env_prefix, environ=environ)
 
     @staticmethod
-    def from_cli_args(ns: argparse.Namespace) -> "SchedulerConfig":
+    def from_cli_args(ns: argparse.Namespace) -> SchedulerConfig:
         return SchedulerConfig(**{f.name: getattr(ns, f.name) for f in fields(SchedulerConfig)})

@@ -15,8 +15,9 @@ import itertools
 import logging
 import threading
 import uuid
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any
 
 from meshlm.common.finish import FinishReason
 from meshlm.scheduler.config import SchedulerConfig
@@ -25,8 +26,8 @@ from meshlm.scheduler.managers.io_struct import (
     BatchEmbeddingOut,
     BatchTokenIDOut,
     CloseSessionOutput,
-    EmbeddingOut,
     CloseSessionReq,
+    EmbeddingOut,
     FlushCacheOutput,
     FlushCacheReq,
     GetLoadReq,
@@ -53,18 +54,18 @@ class RequestError(Exception):
         self.status_code = status_code
 
     @staticmethod
-    def of_abort(reason: FinishReason) -> "RequestError":
+    def of_abort(reason: FinishReason) -> RequestError:
         return RequestError(reason.message, reason.status_code)
 
 
 # What a request's queue receives: its deltas (or its embedding), or the error that ends it.
-ReqEvent = Union[TokenDelta, EmbeddingOut, RequestError]
+ReqEvent = TokenDelta | EmbeddingOut | RequestError
 
 
 @dataclass
 class _ReqState:
     loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[ReqEvent]"
+    queue: asyncio.Queue[ReqEvent]
     sampling_params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # text already yielded
@@ -79,17 +80,17 @@ class Engine:
     with disaggregation_mode="decode"), whose outputs reach the caller of this Engine."""
 
     def __init__(
-        self, config: Optional[SchedulerConfig] = None, *, decode_engine: Optional["Engine"] = None, **overrides: Any
+        self, config: SchedulerConfig | None = None, *, decode_engine: Engine | None = None, **overrides: Any
     ) -> None:
         config = (config or SchedulerConfig()).replace(**overrides) if overrides else (config or SchedulerConfig())
         if (config.disaggregation_mode == "prefill") != (decode_engine is not None):
             raise ValueError("decode_engine is required with disaggregation_mode='prefill', and only then")
         self._decode = decode_engine
         self._states: dict[str, _ReqState] = {}
-        self._controls: "dict[int, concurrent.futures.Future[Any]]" = {}
+        self._controls: dict[int, concurrent.futures.Future[Any]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._crashed: Optional[str] = None  # set (under _lock) once the loop died
+        self._crashed: str | None = None  # set (under _lock) once the loop died
         self.runtime = SchedulerRuntime(config, self._on_output, self._on_control)
         self.model_config = self.runtime.model_config
         self.tokenizer = self.runtime.tokenizer
@@ -104,7 +105,7 @@ class Engine:
             states = list(self._states.items())
             controls = list(self._controls.values())
             self._controls.clear()
-        for rid, st in states:
+        for _rid, st in states:
             st.loop.call_soon_threadsafe(st.queue.put_nowait, RequestError("scheduler loop crashed", 500))
         for fut in controls:
             fut.set_exception(RequestError("scheduler loop crashed", 500))
@@ -134,7 +135,7 @@ class Engine:
             return
         self._decode.port.put(msg)
 
-    def _adopt(self, rid: str, st: _ReqState) -> Optional[str]:
+    def _adopt(self, rid: str, st: _ReqState) -> str | None:
         """Deliver rid's outputs to another engine's caller (PD handover); the crash message
         instead when this engine's loop is dead."""
         with self._lock:
@@ -162,7 +163,7 @@ class Engine:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def _register(self, rid: Optional[str], sp: SamplingParams) -> tuple[str, _ReqState]:
+    def _register(self, rid: str | None, sp: SamplingParams) -> tuple[str, _ReqState]:
         rid = rid or uuid.uuid4().hex
         st = _ReqState(asyncio.get_running_loop(), asyncio.Queue(), sp)
         with self._lock:
@@ -181,18 +182,18 @@ class Engine:
 
     async def generate_stream(
         self,
-        prompt: Optional[str] = None,
+        prompt: str | None = None,
         *,
-        input_ids: Optional[Sequence[int]] = None,
-        sampling_params: Optional[dict[str, Any] | SamplingParams] = None,
+        input_ids: Sequence[int] | None = None,
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
-        token_ids_logprob: Optional[list[int]] = None,
-        rid: Optional[str] = None,
+        token_ids_logprob: list[int] | None = None,
+        rid: str | None = None,
         stream: bool = True,
-        session_id: Optional[str] = None,
-        session_rid: Optional[str] = None,
+        session_id: str | None = None,
+        session_rid: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield deltas {"text", "output_ids", "meta_info", "finished"}; the last has finished=True.
 
@@ -211,10 +212,17 @@ class Engine:
         rid, st = self._register(rid, sp)
         self.port.put(
             TokenizedGenerateReqInput(
-                rid=rid, input_ids=ids, sampling_params=sp, input_text=prompt,
-                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob, stream=stream,
-                session_id=session_id, session_rid=session_rid,
+                rid=rid,
+                input_ids=ids,
+                sampling_params=sp,
+                input_text=prompt,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                token_ids_logprob=token_ids_logprob,
+                stream=stream,
+                session_id=session_id,
+                session_rid=session_rid,
             )
         )
         finished = False
@@ -243,10 +251,15 @@ class Engine:
         ids = st.output_ids
         if reason is not None and reason.matched_token is not None and not sp.no_stop_trim:
             ids = ids[:-1]  # a matched stop token is not part of the text (unless no_stop_trim)
-        full = self.tokenizer.decode(
-            ids, skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-        ) if ids else ""
+        full = (
+            self.tokenizer.decode(
+                ids,
+                skip_special_tokens=sp.skip_special_tokens,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            )
+            if ids
+            else ""
+        )
         if reason is None:
             full = full.rstrip("\ufffd")  # hold back an incomplete UTF-8 character
         elif reason.matched_str is not None and not sp.no_stop_trim:
@@ -254,7 +267,7 @@ class Engine:
             pos = full.find(stop, max(len(st.text) - len(stop), 0))
             if pos >= 0:
                 full = full[:pos]
-        text = full[len(st.text):] if full.startswith(st.text) else ""
+        text = full[len(st.text) :] if full.startswith(st.text) else ""
         st.text = st.text + text
         meta: dict[str, Any] = {
             "id": rid,
@@ -273,13 +286,19 @@ class Engine:
             meta["output_token_ids_logprobs"] = lp.output_token_ids_logprobs
         return {"text": text, "output_ids": list(new_ids), "meta_info": meta, "finished": reason is not None}
 
-    async def generate(self, prompt: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> dict[str, Any]:
         """Run one request to the end: {"text", "output_ids", "meta_info"} with logprob lists
         accumulated over all deltas."""
         text, ids = "", []
         meta: dict[str, Any] = {}
-        lists = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
-                 "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+        lists = (
+            "input_token_logprobs",
+            "output_token_logprobs",
+            "input_top_logprobs",
+            "output_top_logprobs",
+            "input_token_ids_logprobs",
+            "output_token_ids_logprobs",
+        )
         kwargs.setdefault("stream", False)
         async for d in self.generate_stream(prompt, **kwargs):
             text += d["text"]
@@ -292,7 +311,7 @@ class Engine:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def encode(
-        self, prompt: Optional[str] = None, *, input_ids: Optional[Sequence[int]] = None, rid: Optional[str] = None
+        self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None, rid: str | None = None
     ) -> dict[str, Any]:
         if (prompt is None) == (input_ids is None):
             raise RequestError("exactly one of prompt (text) and input_ids must be given")
@@ -313,7 +332,7 @@ class Engine:
     # ---- control --------------------------------------------------------------------------
     def _control(self, msg: Any, timeout: float = 30.0) -> Any:
         """Send a control message and wait for the loop's reply (matched by call_id)."""
-        fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._crashed is not None:
                 raise RequestError(self._crashed, 500)
@@ -332,7 +351,7 @@ class Engine:
     def get_load(self) -> LoadReport:
         return self._control(GetLoadReq())
 
-    def open_session(self, capacity_of_str_len: int = 0, session_id: Optional[str] = None) -> OpenSessionOutput:
+    def open_session(self, capacity_of_str_len: int = 0, session_id: str | None = None) -> OpenSessionOutput:
         """Open a multi-turn session; pass its id as generate(session_id=...)."""
         return self._control(OpenSessionReq(capacity_of_str_len, session_id))
 
@@ -354,7 +373,7 @@ class Engine:
 
         return asyncio.run(run())
 
-    def generate_sync(self, prompt: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+    def generate_sync(self, prompt: str | None = None, **kwargs: Any) -> dict[str, Any]:
         return self.generate_batch_sync([{"prompt": prompt, **kwargs}])[0]
 
     def encode_sync(self, prompts: Sequence[str]) -> list[list[float]]:
@@ -366,7 +385,7 @@ class Engine:
     def shutdown(self) -> None:
         self.runtime.stop(timeout=10)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -78,26 +78,19 @@ class ModelConfig:
         if self.num_attention_heads % tp_size:
             raise ValueError(f"tp_size {tp_size} must divide num_attention_heads ({self.num_attention_heads})")
         if kv % tp_size and tp_size % kv:
-            raise ValueError(
-                f"tp_size {tp_size} must divide num_key_value_heads ({kv}) or be a multiple of it"
-            )
+            raise ValueError(f"tp_size {tp_size} must divide num_key_value_heads ({kv}) or be a multiple of it")
         if self.intermediate_size % tp_size:
             raise ValueError(f"tp_size {tp_size} must divide intermediate_size ({self.intermediate_size})")
 
     @staticmethod
-    def from_path(path: str | Path, context_length: Optional[int] = None) -> "ModelConfig":
+    def from_path(path: str | Path, context_length: int | None = None) -> ModelConfig:
         path = Path(path)
         hf = json.loads((path / "config.json").read_text())
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         is_bert = hf.get("model_type") == "bert" or arch.startswith("Bert")
-        ctx = int(
-            hf.get("max_position_embeddings")
-            or hf.get("n_positions")
-            or hf.get("seq_length")
-            or 2048
-        )
+        ctx = int(hf.get("max_position_embeddings") or hf.get("n_positions") or hf.get("seq_length") or 2048)
         if context_length is not None:
             ctx = context_length
         eos = hf.get("eos_token_id")
@@ -118,13 +111,9 @@ class ModelConfig:
             context_len=ctx,
             rms_norm_eps=float(hf.get("rms_norm_eps", hf.get("layer_norm_eps", 1e-6))),
             # transformers >= 5 nests RoPE settings under rope_parameters.
-            rope_theta=float(
-                hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            ),
+            rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(
-                hf.get("attention_bias", arch.startswith("Qwen2"))
-            ),
+            attention_bias=bool(hf.get("attention_bias", arch.startswith("Qwen2"))),
             is_embedding=is_bert,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             hf=hf,

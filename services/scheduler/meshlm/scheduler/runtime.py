@@ -18,7 +18,8 @@ import functools
 import logging
 import secrets
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ class SchedulerRuntime:
     def __init__(self, config: SchedulerConfig, on_output: OutputCallback, on_control: OutputCallback) -> None:
         self.config, self.model_config, self.tokenizer = load_model_facts(config)
         self.port = SchedulerPort(on_output, on_control)
-        self.tp_ranks: Optional[TpRanks] = None
+        self.tp_ranks: TpRanks | None = None
         if self.config.tp_size == 1:
             self.scheduler = Scheduler(self.config, self.model_config, self.tokenizer, self.port)
         else:
@@ -80,11 +81,11 @@ class SchedulerRuntime:
                     self.config, self.model_config, self.tokenizer, self.port, tp, cpu_group
                 ),
             )
-        self._thread: Optional[threading.Thread] = None
-        self._on_crash: Optional[CrashCallback] = None
-        self.crashed: Optional[BaseException] = None
+        self._thread: threading.Thread | None = None
+        self._on_crash: CrashCallback | None = None
+        self.crashed: BaseException | None = None
 
-    def start(self, on_crash: Optional[CrashCallback] = None) -> None:
+    def start(self, on_crash: CrashCallback | None = None) -> None:
         """Run the loop in a daemon thread ("scheduler-loop")."""
         self._on_crash = on_crash
         self._thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)

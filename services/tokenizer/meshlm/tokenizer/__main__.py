@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from meshlm.tokenizer.config import TokenizerConfig
 
@@ -22,7 +22,7 @@ def build_parser(prog: str = "python -m meshlm.tokenizer") -> argparse.ArgumentP
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

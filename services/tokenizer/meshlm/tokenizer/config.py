@@ -13,9 +13,10 @@ import os
 import random
 import socket
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, Mapping, Optional
+from typing import ClassVar
 
 from meshlm.common.addresses import parse_addresses
 from meshlm.common.flags import Flag, parse_bool
@@ -43,23 +44,13 @@ class TokenizerConfig(GrpcServiceConfig):
         {
             **GrpcServiceConfig.FLAGS,
             "tokenizer_id": Flag("origin id of this replica; empty = <hostname>-<pid>-<random>"),
-            "tokenizer_path": Flag(
-                "HF tokenizer directory; unset = the tokenizer_path a scheduler reports"
-            ),
+            "tokenizer_path": Flag("HF tokenizer directory; unset = the tokenizer_path a scheduler reports"),
             "scheduler_addrs": Flag("scheduler host:port list, comma separated (DNS re-resolved)"),
-            "detokenizer_addrs": Flag(
-                "detokenizer host:port list, comma separated (DNS re-resolved)"
-            ),
+            "detokenizer_addrs": Flag("detokenizer host:port list, comma separated (DNS re-resolved)"),
             "routing_policy": Flag(" | ".join(ROUTING_POLICIES)),
-            "max_queued_requests": Flag(
-                "most in-flight requests of this replica; more get RESOURCE_EXHAUSTED"
-            ),
-            "request_timeout_s": Flag(
-                "seconds without output before a request fails with DEADLINE_EXCEEDED"
-            ),
-            "connect_timeout_s": Flag(
-                "seconds a request waits for a scheduler/detokenizer before UNAVAILABLE"
-            ),
+            "max_queued_requests": Flag("most in-flight requests of this replica; more get RESOURCE_EXHAUSTED"),
+            "request_timeout_s": Flag("seconds without output before a request fails with DEADLINE_EXCEEDED"),
+            "connect_timeout_s": Flag("seconds a request waits for a scheduler/detokenizer before UNAVAILABLE"),
             "parallel_sample_warmup": Flag(
                 "n>1: prefill each prompt once before fanning out (true|false)", parse=parse_bool
             ),
@@ -72,7 +63,7 @@ class TokenizerConfig(GrpcServiceConfig):
     tokenizer_id: str = ""
     # HF tokenizer directory (tokenizer.json, tokenizer_config.json, chat template).
     # None = the tokenizer_path a scheduler reports in GetModelInfo (shared file system).
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: str | None = None
     scheduler_addrs: tuple[str, ...] = ("localhost:30010",)
     detokenizer_addrs: tuple[str, ...] = ("localhost:50053",)
     routing_policy: str = "round_robin"
@@ -85,18 +76,14 @@ class TokenizerConfig(GrpcServiceConfig):
     # n>1: first run one max_new_tokens=0 request per prompt to warm the radix prefix cache.
     parallel_sample_warmup: bool = True
     # Model name reported by GetModelInfo (default: the scheduler's).
-    served_model_name: Optional[str] = None
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.tokenizer_id:
             object.__setattr__(self, "tokenizer_id", default_tokenizer_id())
-        object.__setattr__(
-            self, "scheduler_addrs", tuple(parse_addresses(list(self.scheduler_addrs)))
-        )
-        object.__setattr__(
-            self, "detokenizer_addrs", tuple(parse_addresses(list(self.detokenizer_addrs)))
-        )
+        object.__setattr__(self, "scheduler_addrs", tuple(parse_addresses(list(self.scheduler_addrs))))
+        object.__setattr__(self, "detokenizer_addrs", tuple(parse_addresses(list(self.detokenizer_addrs))))
         need(len(self.scheduler_addrs) > 0, "scheduler_addrs must name at least one host:port")
         need(len(self.detokenizer_addrs) > 0, "detokenizer_addrs must name at least one host:port")
         need(

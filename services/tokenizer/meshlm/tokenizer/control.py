@@ -9,9 +9,10 @@ import importlib.metadata
 import json
 import logging
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import grpc
+
 from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.scheduler_client import SchedulerConnection
 from meshlm.tokenizer.state import error_from_finish, error_reason, invalid
@@ -33,7 +34,7 @@ def _version() -> str:
 class ControlPlane:
     def __init__(self, manager: TokenizerManager) -> None:
         self.m = manager
-        self.model_info: Optional[common_pb2.ModelInfo] = None
+        self.model_info: common_pb2.ModelInfo | None = None
 
     @property
     def timeout(self) -> float:
@@ -53,8 +54,10 @@ class ControlPlane:
             except ServiceError as e:
                 errors.append(e.message)
         else:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no scheduler answered GetModelInfo: "
-                               + ("; ".join(errors) or "no schedulers"))
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                "no scheduler answered GetModelInfo: " + ("; ".join(errors) or "no schedulers"),
+            )
         if self.m.config.served_model_name:
             info.served_model_name = self.m.config.served_model_name
         elif not info.served_model_name:
@@ -83,19 +86,23 @@ class ControlPlane:
         except ServiceError:
             model = common_pb2.ModelInfo()
         conns = self.m.schedulers.connections
-        loads = [c.load if c.load is not None else common_pb2.SchedulerLoad(scheduler_id=c.address)
-                 for c in conns]
+        loads = [c.load if c.load is not None else common_pb2.SchedulerLoad(scheduler_id=c.address) for c in conns]
         config = json.loads(self.m.config.to_json())
         config["scheduler_endpoints"] = [
-            {"index": c.index, "address": c.address, "connected": c.connected} for c in conns]
+            {"index": c.index, "address": c.address, "connected": c.connected} for c in conns
+        ]
         config["detokenizer_endpoints"] = [
-            {"address": a, "connected": s.connected}
-            for a, s in self.m.detokenizers.subscriptions.items()]
+            {"address": a, "connected": s.connected} for a, s in self.m.detokenizers.subscriptions.items()
+        ]
         config["in_flight_requests"] = len(self.m.states)
         config["draining"] = self.m.draining
-        return tokenizer_pb2.ServerInfo(model=model, schedulers=loads, version=_version(),
-                                        tokenizer_id=self.m.origin,
-                                        config_json=json.dumps(config, sort_keys=True))
+        return tokenizer_pb2.ServerInfo(
+            model=model,
+            schedulers=loads,
+            version=_version(),
+            tokenizer_id=self.m.origin,
+            config_json=json.dumps(config, sort_keys=True),
+        )
 
     # ---- FlushCache -----------------------------------------------------------------------
     async def flush_cache(self) -> tokenizer_pb2.FlushCacheResponse:
@@ -115,13 +122,10 @@ class ControlPlane:
             return out.flush_cache.success, out.flush_cache.message
 
         results = await asyncio.gather(*(one(c) for c in conns))
-        failed = [f"{c.scheduler_id}: {msg or 'failed'}"
-                  for c, (ok, msg) in zip(conns, results, strict=True) if not ok]
+        failed = [f"{c.scheduler_id}: {msg or 'failed'}" for c, (ok, msg) in zip(conns, results, strict=True) if not ok]
         if failed:
-            return tokenizer_pb2.FlushCacheResponse(
-                success=False, message="cache not flushed on " + "; ".join(failed))
-        return tokenizer_pb2.FlushCacheResponse(success=True,
-                                                message=f"flushed {len(conns)} scheduler(s)")
+            return tokenizer_pb2.FlushCacheResponse(success=False, message="cache not flushed on " + "; ".join(failed))
+        return tokenizer_pb2.FlushCacheResponse(success=True, message=f"flushed {len(conns)} scheduler(s)")
 
     # ---- sessions -------------------------------------------------------------------------
     async def open_session(self, request: tokenizer_pb2.OpenSessionRequest) -> str:
@@ -136,8 +140,14 @@ class ControlPlane:
         else:
             conn = self.m.route()
             session_id = f"s{conn.index}-{uuid.uuid4().hex}"
-        out = await conn.call(scheduler_pb2.SchedulerInput(open_session=scheduler_pb2.OpenSessionReq(
-            session_id=session_id, capacity_of_str_len=request.capacity_of_str_len)), self.timeout)
+        out = await conn.call(
+            scheduler_pb2.SchedulerInput(
+                open_session=scheduler_pb2.OpenSessionReq(
+                    session_id=session_id, capacity_of_str_len=request.capacity_of_str_len
+                )
+            ),
+            self.timeout,
+        )
         kind = out.WhichOneof("msg")
         if kind == "error":
             raise error_from_finish(session_id, error_reason(out.error))
@@ -150,8 +160,10 @@ class ControlPlane:
         if not session_id:
             raise invalid("session_id is empty")
         conn = self.m.route(session_id)
-        out = await conn.call(scheduler_pb2.SchedulerInput(
-            close_session=scheduler_pb2.CloseSessionReq(session_id=session_id)), self.timeout)
+        out = await conn.call(
+            scheduler_pb2.SchedulerInput(close_session=scheduler_pb2.CloseSessionReq(session_id=session_id)),
+            self.timeout,
+        )
         kind = out.WhichOneof("msg")
         unknown = ServiceError(grpc.StatusCode.NOT_FOUND, f"session_id {session_id!r} is unknown")
         if kind == "ack" and not out.ack:  # the scheduler has no such session

@@ -10,9 +10,10 @@ A stream that ends or fails is re-opened with backoff; the address list is re-re
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
+
 from meshlm.common.channels import Dialer
 from meshlm.common.peer_stream import RESOLVE_INTERVAL_S, PeerSet, PeerStream
 from meshlm.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
@@ -35,11 +36,9 @@ class Subscription(PeerStream):
         origin: str,
         on_strs: StrHandler,
         on_embeddings: EmbeddingHandler,
-        dialer: Optional[Dialer] = None,
+        dialer: Dialer | None = None,
     ) -> None:
-        super().__init__(
-            origin, "detokenizer", dialer, endpoint=address, connect_timeout_s=CONNECT_TIMEOUT_S
-        )
+        super().__init__(origin, "detokenizer", dialer, endpoint=address, connect_timeout_s=CONNECT_TIMEOUT_S)
         self.origin = origin
         self.on_strs = on_strs
         self.on_embeddings = on_embeddings
@@ -76,7 +75,7 @@ class DetokenizerPool:
         on_strs: StrHandler,
         on_embeddings: EmbeddingHandler,
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
-        dialer: Optional[Dialer] = None,
+        dialer: Dialer | None = None,
     ) -> None:
         self.dialer = dialer or Dialer()
         self.origin = origin

@@ -13,9 +13,10 @@ Template source, as transformers: `chat_template.jinja` if present, else tokeniz
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -38,7 +39,7 @@ class ChatTemplateError(ValueError):
     """The template rejected the conversation (raise_exception) or failed to render."""
 
 
-def _token_str(value: Any) -> Optional[str]:
+def _token_str(value: Any) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
@@ -57,9 +58,7 @@ def _compile(template: str) -> jinja2.Template:
         separators: Any = None,
         sort_keys: bool = False,
     ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
@@ -72,9 +71,7 @@ def _compile(template: str) -> jinja2.Template:
         def parse(self, parser: Any) -> jinja2.nodes.CallBlock:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(
-                lineno
-            )
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
         def _render(self, caller: Any) -> str:
             return caller()
@@ -128,11 +125,9 @@ class HFTokenizer:
                 value = _token_str(legacy.get(key))
             if value is not None:
                 self.special_tokens[key] = value
-        self.chat_template: Optional[str] = self._load_template()
-        self._compiled: Optional[jinja2.Template] = None
-        self.clean_up_tokenization_spaces = bool(
-            self.config.get("clean_up_tokenization_spaces", False)
-        )
+        self.chat_template: str | None = self._load_template()
+        self._compiled: jinja2.Template | None = None
+        self.clean_up_tokenization_spaces = bool(self.config.get("clean_up_tokenization_spaces", False))
         # Ids the tokenizer knows (base vocab + added tokens).
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         mml = self.config.get("model_max_length")
@@ -140,7 +135,7 @@ class HFTokenizer:
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
 
-    def _load_template(self) -> Optional[str]:
+    def _load_template(self) -> str | None:
         jinja_file = self.path / "chat_template.jinja"
         if jinja_file.is_file():
             return jinja_file.read_text()
@@ -156,13 +151,8 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(
-        self, texts: Sequence[str], add_special_tokens: bool = True
-    ) -> list[list[int]]:
-        return [
-            e.ids
-            for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        ]
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -171,7 +161,7 @@ class HFTokenizer:
                 text = text.replace(a, b)
         return text
 
-    def token_to_id(self, token: str) -> Optional[int]:
+    def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
     # ---- chat -----------------------------------------------------------------------------
@@ -180,9 +170,7 @@ class HFTokenizer:
     ) -> str:
         """The prompt text for a conversation (transformers' render, tokenize=False)."""
         if self.chat_template is None:
-            raise ChatTemplateError(
-                f"the tokenizer at {str(self.path)!r} has no chat template; send text or input_ids"
-            )
+            raise ChatTemplateError(f"the tokenizer at {str(self.path)!r} has no chat template; send text or input_ids")
         if self._compiled is None:
             self._compiled = _compile(self.chat_template)
         # As transformers: tools/documents are passed (None when absent), so templates that
@@ -201,7 +189,5 @@ class HFTokenizer:
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> tuple[str, list[int]]:
         """(rendered text, its ids). The template holds the special tokens: none are added."""
-        text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return text, self.encode(text, add_special_tokens=False)

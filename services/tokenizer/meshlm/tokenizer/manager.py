@@ -27,11 +27,14 @@ CANCELLED, 503 RESOURCE_EXHAUSTED, else INTERNAL).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import AsyncIterator, Optional
+from collections.abc import AsyncIterator
 
 import grpc
+
+from meshlm.common.channels import Dialer
 from meshlm.common.errors import ServiceError
 from meshlm.common.finish import FinishReason
 from meshlm.common.log import request_id_var
@@ -40,7 +43,6 @@ from meshlm.common.telemetry import current_traceparent, span, start_span
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.control import ControlPlane
 from meshlm.tokenizer.detokenizer_client import DetokenizerPool
-from meshlm.common.channels import Dialer
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.metrics import TokenizerMetrics
 from meshlm.tokenizer.request import (
@@ -78,8 +80,9 @@ def _abort_msg(rid: str, message: str) -> scheduler_pb2.SchedulerInput:
 
 
 class TokenizerManager:
-    def __init__(self, config: TokenizerConfig, tokenizer: Optional[HFTokenizer] = None,
-                 metrics: Optional[Metrics] = None) -> None:
+    def __init__(
+        self, config: TokenizerConfig, tokenizer: HFTokenizer | None = None, metrics: Metrics | None = None
+    ) -> None:
         self.config = config
         self.origin = config.tokenizer_id
         self.tokenizer = tokenizer
@@ -87,9 +90,9 @@ class TokenizerManager:
         self.metrics = TokenizerMetrics(metrics)
         dialer = Dialer(config.tls)
         self.schedulers = SchedulerPool(config.scheduler_addrs, self.origin, self, dialer=dialer)
-        self.detokenizers = DetokenizerPool(config.detokenizer_addrs, self.origin,
-                                            self.on_batch_str_out, self.on_batch_embedding_out,
-                                            dialer=dialer)
+        self.detokenizers = DetokenizerPool(
+            config.detokenizer_addrs, self.origin, self.on_batch_str_out, self.on_batch_embedding_out, dialer=dialer
+        )
         self.control = ControlPlane(self)
         self.states: dict[str, ReqState] = {}  # wire rid -> state
         self.calls: set[Call] = set()
@@ -99,7 +102,7 @@ class TokenizerManager:
         self._bg: list[asyncio.Task] = []
 
     @property
-    def model_info(self) -> Optional[common_pb2.ModelInfo]:
+    def model_info(self) -> common_pb2.ModelInfo | None:
         return self.control.model_info
 
     # ---- life cycle -----------------------------------------------------------------------
@@ -152,15 +155,13 @@ class TokenizerManager:
             await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, grace_s))
             return
         except asyncio.TimeoutError:
-            pass
+            pass  # still busy: abort what is left
         err = ServiceError(grpc.StatusCode.UNAVAILABLE, "tokenizer is shutting down; request aborted")
         for state in list(self.states.values()):
             state.conn.send(_abort_msg(state.wire_rid, "tokenizer shutting down"))
             self._fail(state, err)
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout=2.0)
-        except asyncio.TimeoutError:
-            pass
 
     # ---- checks and routing ---------------------------------------------------------------
     def _tok(self) -> HFTokenizer:
@@ -177,8 +178,7 @@ class TokenizerManager:
 
     def check_accepting(self) -> None:
         if self.draining:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "tokenizer is draining (shutting down); retry elsewhere")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "tokenizer is draining (shutting down); retry elsewhere")
 
     def _check_model_kind(self, generation: bool) -> None:
         """Generate needs a generation model (enforced once the model info is known). Embed
@@ -192,27 +192,34 @@ class TokenizerManager:
     def _admit(self, count: int) -> None:
         limit = self.config.max_queued_requests
         if count > limit:
-            raise invalid(f"the request fans out to {count} requests (prompts x n); "
-                          f"at most max_queued_requests={limit} are allowed")
+            raise invalid(
+                f"the request fans out to {count} requests (prompts x n); "
+                f"at most max_queued_requests={limit} are allowed"
+            )
         if len(self.states) + count > limit:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"too many requests in flight ({len(self.states)}); "
-                               f"max_queued_requests={limit}")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many requests in flight ({len(self.states)}); max_queued_requests={limit}",
+            )
 
     async def _wait_ring(self) -> None:
         timeout = self.config.connect_timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         if not await self.detokenizers.wait_any_connected(timeout):
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"no detokenizer reachable at {','.join(self.config.detokenizer_addrs)}"
-                               f" within connect_timeout_s={timeout:g}")
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no detokenizer reachable at {','.join(self.config.detokenizer_addrs)}"
+                f" within connect_timeout_s={timeout:g}",
+            )
         if not await self.schedulers.wait_any_connected(max(0.0, deadline - loop.time())):
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"no scheduler reachable at {','.join(self.config.scheduler_addrs)}"
-                               f" within connect_timeout_s={timeout:g}")
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no scheduler reachable at {','.join(self.config.scheduler_addrs)}"
+                f" within connect_timeout_s={timeout:g}",
+            )
 
-    def _load_of(self, index: int) -> Optional[common_pb2.SchedulerLoad]:
+    def _load_of(self, index: int) -> common_pb2.SchedulerLoad | None:
         conn = self.schedulers.get(index)
         return conn.load if conn is not None else None
 
@@ -224,8 +231,10 @@ class TokenizerManager:
             if conn is None:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"session_id {session_id!r} is unknown")
             if not conn.connected:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the scheduler of session "
-                                   f"{session_id!r} ({conn.address}) is not connected")
+                raise ServiceError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the scheduler of session {session_id!r} ({conn.address}) is not connected",
+                )
             return conn
         connected = self.schedulers.connected()
         if not connected:
@@ -291,32 +300,44 @@ class TokenizerManager:
         try:
             return await asyncio.wait_for(call.queue.get(), self.config.request_timeout_s)
         except asyncio.TimeoutError:
-            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {call.rid}: no output "
-                               f"for request_timeout_s={self.config.request_timeout_s:g}s") from None
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request {call.rid}: no output for request_timeout_s={self.config.request_timeout_s:g}s",
+            ) from None
 
     # ---- Generate -------------------------------------------------------------------------
-    async def generate(self, request: tokenizer_pb2.GenerateRequest
-                       ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+    async def generate(self, request: tokenizer_pb2.GenerateRequest) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         """Deltas (stream) or, per index, the whole output when it finishes (non-stream)."""
         self.check_accepting()
         self._check_model_kind(generation=True)
         tok = self._tok()
         rid = request.rid or new_rid()
         rid_token = request_id_var.set(rid)
-        gen_span = start_span("generate", request.trace.traceparent, request.trace.tracestate,
-                              attributes={"meshlm.rid": rid, "meshlm.stream": request.stream})
+        gen_span = start_span(
+            "generate",
+            request.trace.traceparent,
+            request.trace.tracestate,
+            attributes={"meshlm.rid": rid, "meshlm.stream": request.stream},
+        )
         tp, ts = current_traceparent(gen_span)
-        trace_ctx = common_pb2.TraceContext(traceparent=tp or request.trace.traceparent,
-                                            tracestate=ts or request.trace.tracestate)
-        call: Optional[Call] = None
+        trace_ctx = common_pb2.TraceContext(
+            traceparent=tp or request.trace.traceparent, tracestate=ts or request.trace.tracestate
+        )
+        call: Call | None = None
         end_message = "finished"
         try:
             with span("tokenize", trace_ctx.traceparent, trace_ctx.tracestate):
                 try:
                     norm = normalize_generate(
-                        request, tok, origin=self.origin, vocab_size=self.vocab_size(),
-                        max_input_len=self.max_input_len(), trace=trace_ctx, rid=rid,
-                        warmup=self.config.parallel_sample_warmup)
+                        request,
+                        tok,
+                        origin=self.origin,
+                        vocab_size=self.vocab_size(),
+                        max_input_len=self.max_input_len(),
+                        trace=trace_ctx,
+                        rid=rid,
+                        warmup=self.config.parallel_sample_warmup,
+                    )
                 except InvalidRequest as e:
                     raise invalid(str(e)) from e
             self._admit(len(norm.subs) + len(norm.warmups))
@@ -324,8 +345,7 @@ class TokenizerManager:
             call = self._open_call(rid)
             conns = {p.index: self.route(request.session_id) for p in norm.prompts}
             if norm.warmups:
-                warm = [ReqState(call, -1, w.rid, w.req, conns[w.prompt_index], ReqKind.WARMUP)
-                        for w in norm.warmups]
+                warm = [ReqState(call, -1, w.rid, w.req, conns[w.prompt_index], ReqKind.WARMUP) for w in norm.warmups]
                 await self._run_warmups(call, warm)
             samples = [ReqState(call, s.index, s.rid, s.req, conns[s.prompt_index]) for s in norm.subs]
             for state in samples:
@@ -351,8 +371,9 @@ class TokenizerManager:
                     if delta.logprobs is not None:
                         state.logprobs.MergeFrom(delta.logprobs)
                     if delta.finish is not None:
-                        yield self._response(state, "".join(state.text_parts), state.all_ids,
-                                             state.logprobs, delta.finish)
+                        yield self._response(
+                            state, "".join(state.text_parts), state.all_ids, state.logprobs, delta.finish
+                        )
                 if delta.finish is not None:
                     pending.discard(state)
         except ServiceError as e:
@@ -366,10 +387,8 @@ class TokenizerManager:
             if call is not None:
                 self._close_call(call, end_message)
             gen_span.end()
-            try:
+            with contextlib.suppress(ValueError):  # closed from another context
                 request_id_var.reset(rid_token)
-            except ValueError:  # closed from another context
-                pass
 
     async def _run_warmups(self, call: Call, warm: list[ReqState]) -> None:
         for state in warm:
@@ -388,20 +407,29 @@ class TokenizerManager:
                     raise error_from_finish(event.state.public_rid, finish)
                 pending.discard(event.state)
 
-    def _response(self, state: ReqState, text: str, ids: list[int],
-                  logprobs: Optional[common_pb2.LogprobDelta],
-                  finish: Optional[FinishReason]) -> tokenizer_pb2.GenerateResponse:
+    def _response(
+        self,
+        state: ReqState,
+        text: str,
+        ids: list[int],
+        logprobs: common_pb2.LogprobDelta | None,
+        finish: FinishReason | None,
+    ) -> tokenizer_pb2.GenerateResponse:
         meta = tokenizer_pb2.MetaInfo(
-            id=state.public_rid, prompt_tokens=state.prompt_tokens,
-            completion_tokens=state.completion_tokens, cached_tokens=state.cached_tokens,
-            retractions=state.retractions)
+            id=state.public_rid,
+            prompt_tokens=state.prompt_tokens,
+            completion_tokens=state.completion_tokens,
+            cached_tokens=state.cached_tokens,
+            retractions=state.retractions,
+        )
         if logprobs is not None and logprobs.ByteSize():
             meta.logprobs.CopyFrom(logprobs)
         if finish is not None:
             meta.finish_reason.CopyFrom(finish.to_proto())
             meta.e2e_latency = time.monotonic() - state.call.started
-        return tokenizer_pb2.GenerateResponse(index=state.index, text=text, output_ids=ids,
-                                              meta_info=meta, finished=finish is not None)
+        return tokenizer_pb2.GenerateResponse(
+            index=state.index, text=text, output_ids=ids, meta_info=meta, finished=finish is not None
+        )
 
     # ---- outputs from the ring ------------------------------------------------------------
     def on_batch_str_out(self, batch: detokenizer_pb2.BatchStrOut) -> None:
@@ -475,11 +503,9 @@ class TokenizerManager:
             return
         reason = error_reason(error)
         others = [i for i in self.schedulers.connected() if self.schedulers.get(i) is not conn]
-        if reason.status_code == 503 and not state.produced and not state.retried and others \
-                and not state.session_id:
+        if reason.status_code == 503 and not state.produced and not state.retried and others and not state.session_id:
             # The scheduler is draining or without a detokenizer: another one may take it.
-            self._reroute_or_fail(state, f"scheduler {conn.address} refused {state.public_rid}: "
-                                  f"{reason.message}")
+            self._reroute_or_fail(state, f"scheduler {conn.address} refused {state.public_rid}: {reason.message}")
             return
         self._pop(state)
         if state.kind is ReqKind.EMBED:
@@ -500,24 +526,30 @@ class TokenizerManager:
         tok = self._tok()
         rid = request.rid or new_rid()
         rid_token = request_id_var.set(rid)
-        call: Optional[Call] = None
+        call: Call | None = None
         end_message = "finished"
         try:
             with span("tokenize", request.trace.traceparent, request.trace.tracestate) as s:
                 tp, ts = current_traceparent(s)
-                trace_ctx = common_pb2.TraceContext(traceparent=tp or request.trace.traceparent,
-                                                    tracestate=ts or request.trace.tracestate)
+                trace_ctx = common_pb2.TraceContext(
+                    traceparent=tp or request.trace.traceparent, tracestate=ts or request.trace.tracestate
+                )
                 try:
-                    _, items = normalize_embed(request, tok, origin=self.origin,
-                                               vocab_size=self.vocab_size(), trace=trace_ctx,
-                                               max_input_len=self.max_input_len(), rid=rid)
+                    _, items = normalize_embed(
+                        request,
+                        tok,
+                        origin=self.origin,
+                        vocab_size=self.vocab_size(),
+                        trace=trace_ctx,
+                        max_input_len=self.max_input_len(),
+                        rid=rid,
+                    )
                 except InvalidRequest as e:
                     raise invalid(str(e)) from e
             self._admit(len(items))
             await self._wait_ring()
             call = self._open_call(rid)
-            states = [ReqState(call, index, sub_rid, req, self.route(), ReqKind.EMBED)
-                      for index, sub_rid, req in items]
+            states = [ReqState(call, index, sub_rid, req, self.route(), ReqKind.EMBED) for index, sub_rid, req in items]
             for state in states:
                 self._register(state)
             for state in states:
@@ -532,7 +564,8 @@ class TokenizerManager:
                 if event.finish is not None and event.finish.is_abort:
                     raise error_from_finish(state.public_rid, event.finish)
                 results[state.index] = tokenizer_pb2.EmbeddingResult(
-                    index=state.index, embedding=event.values, prompt_tokens=state.prompt_tokens)
+                    index=state.index, embedding=event.values, prompt_tokens=state.prompt_tokens
+                )
             return tokenizer_pb2.EmbedResponse(results=[results[i] for i in sorted(results)])
         except ServiceError as e:
             end_message = f"{e.code.name}: {e.message}"
@@ -551,15 +584,13 @@ class TokenizerManager:
         replica's requests. A rid this replica does not hold goes to every scheduler (another
         replica may own it; the scheduler matches it)."""
         if abort_all:
-            msg = scheduler_pb2.SchedulerInput(abort=scheduler_pb2.AbortReq(abort_all=True,
-                                                                          message="abort_all"))
+            msg = scheduler_pb2.SchedulerInput(abort=scheduler_pb2.AbortReq(abort_all=True, message="abort_all"))
             for conn in self.schedulers.connections:
                 conn.send(msg)
             return
         if not rid:
             raise invalid("rid is empty; give a request id or set abort_all")
-        mine = [s for s in self.states.values()
-                if s.public_rid == rid or s.public_rid.startswith(rid + "_")]
+        mine = [s for s in self.states.values() if s.public_rid == rid or s.public_rid.startswith(rid + "_")]
         for s in mine:
             s.conn.send(_abort_msg(s.wire_rid, "aborted by request"))
         if not mine:
@@ -570,8 +601,7 @@ class TokenizerManager:
         tok = self._tok()
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         try:
-            _, ids = tokenize_prompt(tok, request.prompt, "prompt", self.vocab_size(),
-                                     add_special_tokens=add_special)
+            _, ids = tokenize_prompt(tok, request.prompt, "prompt", self.vocab_size(), add_special_tokens=add_special)
         except InvalidRequest as e:
             raise invalid(str(e)) from e
         info = self.model_info
@@ -585,8 +615,7 @@ class TokenizerManager:
         except InvalidRequest as e:
             raise invalid(str(e)) from e
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return tokenizer_pb2.DetokenizeResponse(text=tok.decode(list(request.tokens),
-                                                                skip_special_tokens=skip))
+        return tokenizer_pb2.DetokenizeResponse(text=tok.decode(list(request.tokens), skip_special_tokens=skip))
 
     # ---- control plane (control.py) -------------------------------------------------------
     async def get_model_info(self, refresh: bool = False) -> common_pb2.ModelInfo:

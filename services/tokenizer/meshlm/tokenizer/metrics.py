@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from meshlm.common.metrics import Metrics
 
 # Inter-token latencies are small; finer buckets than the shared latency ones.
@@ -11,24 +9,18 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
 
 
 class TokenizerMetrics:
-    def __init__(self, metrics: Optional[Metrics] = None) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics or Metrics()
         m = self.metrics
-        self.time_to_first_token = m.histogram(
-            "time_to_first_token_seconds", "Time to first token (s)."
-        )
+        self.time_to_first_token = m.histogram("time_to_first_token_seconds", "Time to first token (s).")
         self.inter_token_latency = m.histogram(
             "inter_token_latency_seconds", "Time between output tokens (s).", buckets=ITL_BUCKETS
         )
-        self.e2e_request_latency = m.histogram(
-            "e2e_request_latency_seconds", "End-to-end request latency (s)."
-        )
+        self.e2e_request_latency = m.histogram("e2e_request_latency_seconds", "End-to-end request latency (s).")
         self.num_requests = m.counter("num_requests_total", "Finished requests (one per output).")
         self.num_aborted_requests = m.counter("num_aborted_requests_total", "Aborted requests.")
         self.prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens of finished requests.")
-        self.generation_tokens = m.counter(
-            "generation_tokens_total", "Generated tokens of finished requests."
-        )
+        self.generation_tokens = m.counter("generation_tokens_total", "Generated tokens of finished requests.")
 
     def observe_inter_token(self, interval: float, num_tokens: int) -> None:
         """SGLang's rule: a delta of k tokens after `interval` counts k latencies of interval/k."""
@@ -38,5 +30,5 @@ class TokenizerMetrics:
         for _ in range(min(num_tokens, 64)):
             self.inter_token_latency.observe(per)
 
-    def serve(self, port: Optional[int]) -> None:
+    def serve(self, port: int | None) -> None:
         self.metrics.serve(port)

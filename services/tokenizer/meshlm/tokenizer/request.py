@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from meshlm.common import sampling_rules
 from meshlm.tokenizer.hf_tokenizer import ChatTemplateError, HFTokenizer
@@ -132,9 +133,9 @@ def normalize_generate(
     vocab_size: int,
     max_input_len: int = 0,
     warmup: bool = True,
-    trace: Optional[common_pb2.TraceContext] = None,
-    created_time: Optional[float] = None,
-    rid: Optional[str] = None,
+    trace: common_pb2.TraceContext | None = None,
+    created_time: float | None = None,
+    rid: str | None = None,
 ) -> NormalizedGenerate:
     """Validate and tokenize a GenerateRequest; build one TokenizedGenerateReqInput per output.
 
@@ -178,11 +179,7 @@ def normalize_generate(
                 f"prompts[{p}] has {len(ids)} tokens, longer than the model's context length allows "
                 f"({max_input_len} input tokens at most)",
             )
-        if (
-            request.return_logprob
-            and request.HasField("logprob_start_len")
-            and not request.session_id
-        ):
+        if request.return_logprob and request.HasField("logprob_start_len") and not request.session_id:
             _need(
                 request.logprob_start_len < len(ids),
                 f"logprob_start_len ({request.logprob_start_len}) must be < the number of prompt tokens "
@@ -225,7 +222,7 @@ def _tokenized(
     prompt: PromptInput,
     rid: str,
     origin: str,
-    trace: Optional[common_pb2.TraceContext],
+    trace: common_pb2.TraceContext | None,
     created: float,
 ) -> scheduler_pb2.TokenizedGenerateReqInput:
     req = scheduler_pb2.TokenizedGenerateReqInput(
@@ -234,9 +231,7 @@ def _tokenized(
         input_text=prompt.text,
         input_ids=prompt.input_ids,
         return_logprob=request.return_logprob,
-        logprob_start_len=request.logprob_start_len
-        if request.HasField("logprob_start_len")
-        else -1,
+        logprob_start_len=request.logprob_start_len if request.HasField("logprob_start_len") else -1,
         top_logprobs_num=request.top_logprobs_num,
         token_ids_logprob=request.token_ids_logprob,
         has_token_ids_logprob=len(request.token_ids_logprob) > 0,
@@ -262,9 +257,9 @@ def normalize_embed(
     origin: str,
     vocab_size: int,
     max_input_len: int = 0,
-    created_time: Optional[float] = None,
-    trace: Optional[common_pb2.TraceContext] = None,
-    rid: Optional[str] = None,
+    created_time: float | None = None,
+    trace: common_pb2.TraceContext | None = None,
+    rid: str | None = None,
 ) -> tuple[str, list[tuple[int, str, scheduler_pb2.TokenizedEmbeddingReqInput]]]:
     """(rid, [(index, sub rid, TokenizedEmbeddingReqInput)]) of an EmbedRequest."""
     _need(len(request.prompts) > 0, "prompts is empty; send at least 1 prompt")

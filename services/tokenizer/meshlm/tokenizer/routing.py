@@ -8,7 +8,7 @@ SchedulerLoad that scheduler reported (None until it reports).
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from meshlm.tokenizer.config import ROUTING_POLICIES
 from meshlm.v1 import common_pb2
@@ -27,7 +27,7 @@ class Router:
     def choose(
         self,
         candidates: Sequence[int],
-        load_of: Callable[[int], Optional[common_pb2.SchedulerLoad]],
+        load_of: Callable[[int], common_pb2.SchedulerLoad | None],
     ) -> int:
         """One of `candidates` (non-empty, ascending indices)."""
         if not candidates:
@@ -46,7 +46,7 @@ class Router:
         return best
 
     @staticmethod
-    def queue_len(load: Optional[common_pb2.SchedulerLoad]) -> int:
+    def queue_len(load: common_pb2.SchedulerLoad | None) -> int:
         if load is None:
             return 0
         return load.num_queue_reqs + load.num_running_reqs
@@ -56,7 +56,7 @@ class Router:
         self._pending.pop(index, None)
 
 
-def session_scheduler(session_id: str, num_schedulers: int) -> Optional[int]:
+def session_scheduler(session_id: str, num_schedulers: int) -> int | None:
     """The scheduler index a session id names: "s<j>-..." -> j; any other id -> a stable hash.
     None when the id names an index outside the current scheduler list."""
     if num_schedulers <= 0:

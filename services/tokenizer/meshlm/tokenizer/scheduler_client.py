@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import AsyncIterator, Optional, Protocol, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 import grpc
-from meshlm.common.errors import ServiceError
+
 from meshlm.common.channels import Dialer
+from meshlm.common.errors import ServiceError
 from meshlm.common.peer_stream import RESOLVE_INTERVAL_S, PeerSet, PeerStream
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -34,9 +36,7 @@ STALE_AFTER_S = 60.0
 class SchedulerEvents(Protocol):
     def on_scheduler_connected(self, conn: SchedulerConnection) -> None: ...
     def on_scheduler_load(self, conn: SchedulerConnection) -> None: ...
-    def on_scheduler_error(
-        self, conn: SchedulerConnection, error: scheduler_pb2.RequestError
-    ) -> None: ...
+    def on_scheduler_error(self, conn: SchedulerConnection, error: scheduler_pb2.RequestError) -> None: ...
     def on_scheduler_lost(self, conn: SchedulerConnection, reason: str) -> None: ...
 
 
@@ -53,7 +53,7 @@ class SchedulerConnection(PeerStream):
         origin: str,
         events: SchedulerEvents,
         stale_after_s: float = STALE_AFTER_S,
-        dialer: Optional[Dialer] = None,
+        dialer: Dialer | None = None,
     ) -> None:
         super().__init__(origin, "scheduler", dialer, endpoint=address)
         self.index = index
@@ -61,18 +61,14 @@ class SchedulerConnection(PeerStream):
         self.origin = origin
         self.events = events
         self.stale_after_s = stale_after_s
-        self.load: Optional[common_pb2.SchedulerLoad] = None
-        self._queue: Optional[asyncio.Queue[scheduler_pb2.SchedulerInput]] = None
+        self.load: common_pb2.SchedulerLoad | None = None
+        self._queue: asyncio.Queue[scheduler_pb2.SchedulerInput] | None = None
         self._pending: dict[int, asyncio.Future[scheduler_pb2.SchedulerOutput]] = {}
-        self._channel: Optional[grpc.aio.Channel] = None
+        self._channel: grpc.aio.Channel | None = None
 
     @property
     def scheduler_id(self) -> str:
-        return (
-            self.load.scheduler_id
-            if self.load is not None and self.load.scheduler_id
-            else self.address
-        )
+        return self.load.scheduler_id if self.load is not None and self.load.scheduler_id else self.address
 
     # ---- sending --------------------------------------------------------------------------
     def send(self, msg: scheduler_pb2.SchedulerInput) -> bool:
@@ -82,27 +78,20 @@ class SchedulerConnection(PeerStream):
         self._queue.put_nowait(msg)
         return True
 
-    async def call(
-        self, msg: scheduler_pb2.SchedulerInput, timeout: float
-    ) -> scheduler_pb2.SchedulerOutput:
+    async def call(self, msg: scheduler_pb2.SchedulerInput, timeout: float) -> scheduler_pb2.SchedulerOutput:
         """Send a control message and wait for its reply (UNAVAILABLE / DEADLINE_EXCEEDED)."""
         call_id = next(self._call_ids)
         msg.call_id = call_id
-        fut: asyncio.Future[scheduler_pb2.SchedulerOutput] = (
-            asyncio.get_running_loop().create_future()
-        )
+        fut: asyncio.Future[scheduler_pb2.SchedulerOutput] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = fut
         try:
             if not self.send(msg):
-                raise ServiceError(
-                    grpc.StatusCode.UNAVAILABLE, f"scheduler {self.address} is not connected"
-                )
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"scheduler {self.address} is not connected")
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise ServiceError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"scheduler {self.address} did not answer {msg.WhichOneof('msg')} "
-                f"within {timeout:.1f}s",
+                f"scheduler {self.address} did not answer {msg.WhichOneof('msg')} within {timeout:.1f}s",
             ) from None
         finally:
             self._pending.pop(call_id, None)
@@ -142,9 +131,7 @@ class SchedulerConnection(PeerStream):
                 try:
                     out = await asyncio.wait_for(call.read(), self.stale_after_s)
                 except asyncio.TimeoutError:
-                    logger.warning(
-                        "scheduler %s silent for %.0fs; reconnecting", endpoint, self.stale_after_s
-                    )
+                    logger.warning("scheduler %s silent for %.0fs; reconnecting", endpoint, self.stale_after_s)
                     return
                 if out is grpc.aio.EOF:
                     return
@@ -194,21 +181,23 @@ class SchedulerPool:
         events: SchedulerEvents,
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
         stale_after_s: float = STALE_AFTER_S,
-        dialer: Optional[Dialer] = None,
+        dialer: Dialer | None = None,
     ) -> None:
         self.dialer = dialer or Dialer()
         self.origin = origin
         self.events = events
         self.stale_after_s = stale_after_s
         self._peers: PeerSet[SchedulerConnection] = PeerSet(
-            addresses, self.dialer, self._connection, "scheduler", resolve_interval_s,
+            addresses,
+            self.dialer,
+            self._connection,
+            "scheduler",
+            resolve_interval_s,
             on_change=self._renumber,
         )
 
     def _connection(self, endpoint: str) -> SchedulerConnection:
-        return SchedulerConnection(
-            0, endpoint, self.origin, self.events, self.stale_after_s, self.dialer
-        )
+        return SchedulerConnection(0, endpoint, self.origin, self.events, self.stale_after_s, self.dialer)
 
     @staticmethod
     def _renumber(connections: list[SchedulerConnection]) -> None:
@@ -230,7 +219,7 @@ class SchedulerPool:
     def __len__(self) -> int:
         return len(self._peers.peers)
 
-    def get(self, index: int) -> Optional[SchedulerConnection]:
+    def get(self, index: int) -> SchedulerConnection | None:
         conns = self.connections
         return conns[index] if 0 <= index < len(conns) else None
 

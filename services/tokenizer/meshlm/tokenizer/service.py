@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import TypeVar
 
 import grpc
+
 from meshlm.common.errors import ServiceError
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.log import setup_logging
@@ -67,9 +69,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             raise
         except Exception as e:
             logger.exception("internal error in Generate")
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-            )
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     async def Embed(
         self, request: tokenizer_pb2.EmbedRequest, context: grpc.aio.ServicerContext
@@ -114,9 +114,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.OpenSessionResponse:
         async def run() -> tokenizer_pb2.OpenSessionResponse:
-            return tokenizer_pb2.OpenSessionResponse(
-                session_id=await self.manager.open_session(request)
-            )
+            return tokenizer_pb2.OpenSessionResponse(session_id=await self.manager.open_session(request))
 
         return await _unary(context, run)
 
@@ -137,7 +135,7 @@ class RunningTokenizer:
 
     server: GrpcServer
     manager: TokenizerManager
-    readiness: "asyncio.Task[None]"
+    readiness: asyncio.Task[None]
 
     @property
     def port(self) -> int:
@@ -153,8 +151,8 @@ class RunningTokenizer:
 
 async def start_server(
     config: TokenizerConfig,
-    tokenizer: Optional[HFTokenizer] = None,
-    metrics: Optional[Metrics] = None,
+    tokenizer: HFTokenizer | None = None,
+    metrics: Metrics | None = None,
 ) -> RunningTokenizer:
     """Start the manager (peer streams), load the tokenizer, bind and start the gRPC server;
     health is SERVING only while the peers are (from the first status on)."""
@@ -162,12 +160,8 @@ async def start_server(
     await manager.start()
     try:
         await manager.load_tokenizer()
-        server = GrpcServer(
-            [SERVICE_NAME], config.host, config.port, tls=config.tls, health_port=config.health_port
-        )
-        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(
-            TokenizerServicer(manager), server.server
-        )
+        server = GrpcServer([SERVICE_NAME], config.host, config.port, tls=config.tls, health_port=config.health_port)
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(manager), server.server)
         await server.start()
         serving = manager.peers_ready()
         await server.set_serving(serving)
@@ -178,9 +172,7 @@ async def start_server(
     return RunningTokenizer(server, manager, readiness)
 
 
-async def _track_readiness(
-    server: GrpcServer, manager: TokenizerManager, serving: bool, period_s: float = 0.2
-) -> None:
+async def _track_readiness(server: GrpcServer, manager: TokenizerManager, serving: bool, period_s: float = 0.2) -> None:
     """Health follows the peers: SERVING only while a scheduler and a detokenizer are reachable,
     so Kubernetes (and `meshlm launch`) route traffic only to a tokenizer that can serve it.
     `serving` is the status last set: comparing against a fresh peers_ready() read instead would

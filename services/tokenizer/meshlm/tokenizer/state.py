@@ -9,9 +9,10 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import grpc
+
 from meshlm.common.errors import ServiceError
 from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.tokenizer.request import DeltaTracker
@@ -43,8 +44,7 @@ def strip_logprob_text(lp: common_pb2.LogprobDelta) -> None:
     for name in ("input_token_logprobs", "output_token_logprobs"):
         for entry in getattr(lp, name):
             entry.text = ""
-    for name in ("input_top_logprobs", "input_token_ids_logprobs", "output_top_logprobs",
-                 "output_token_ids_logprobs"):
+    for name in ("input_top_logprobs", "input_token_ids_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
         for top in getattr(lp, name):
             for entry in top.entries:
                 entry.text = ""
@@ -62,13 +62,13 @@ class Delta:
 
     text: str
     ids: list[int]
-    logprobs: Optional[common_pb2.LogprobDelta]
-    finish: Optional[FinishReason]
+    logprobs: common_pb2.LogprobDelta | None
+    finish: FinishReason | None
 
 
 @dataclass(frozen=True)
 class DeltaEvent:
-    state: "ReqState"
+    state: ReqState
     delta: Delta
 
 
@@ -76,20 +76,20 @@ class DeltaEvent:
 class EmbeddingEvent:
     """An Embed prompt's result: its values, or an ABORT finish (then no values)."""
 
-    state: "ReqState"
+    state: ReqState
     values: list[float]
-    finish: Optional[FinishReason]
+    finish: FinishReason | None
 
 
 @dataclass(frozen=True)
 class ErrorEvent:
     """The request failed outside the ring (lost scheduler, shutdown)."""
 
-    state: "ReqState"
+    state: ReqState
     error: ServiceError
 
 
-Event = Union[DeltaEvent, EmbeddingEvent, ErrorEvent]
+Event = DeltaEvent | EmbeddingEvent | ErrorEvent
 
 
 class Call:
@@ -105,8 +105,9 @@ class Call:
 class ReqState:
     """One request on the wire: one output of a Generate, a warm-up, or one Embed prompt."""
 
-    def __init__(self, call: Call, index: int, public_rid: str, req: Any, conn: Any,
-                 kind: ReqKind = ReqKind.GENERATE) -> None:
+    def __init__(
+        self, call: Call, index: int, public_rid: str, req: Any, conn: Any, kind: ReqKind = ReqKind.GENERATE
+    ) -> None:
         self.call = call
         self.index = index
         self.public_rid = public_rid  # MetaInfo.id
@@ -118,8 +119,8 @@ class ReqState:
         self.produced = False
         self.retried = False
         self.finished = False
-        self.first_at: Optional[float] = None
-        self.last_at: Optional[float] = None
+        self.first_at: float | None = None
+        self.last_at: float | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -134,7 +135,7 @@ class ReqState:
         return getattr(self.req, "session_id", "")
 
 
-def read_text_delta(state: ReqState, d: detokenizer_pb2.TextDelta) -> Optional[Delta]:
+def read_text_delta(state: ReqState, d: detokenizer_pb2.TextDelta) -> Delta | None:
     """`d` minus what the state already has; None when nothing is new (a resend). Updates the
     state's counters (prompt/completion/cached tokens, retractions)."""
     t = state.tracker

@@ -18,7 +18,7 @@ class AttentionBackend(ABC):
     positions <= its own (causal), reading KV through req_to_token. Returns [T, H, D]."""
 
     @abstractmethod
-    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Precompute per-forward index tensors once; reused by every layer."""
 
     @abstractmethod
@@ -27,6 +27,6 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: "RadixAttention",
-        fb: "ForwardBatch",
+        layer: RadixAttention,
+        fb: ForwardBatch,
     ) -> torch.Tensor: ...

@@ -33,7 +33,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     def __init__(self, kernel: DecodeKernel) -> None:
         self.kernel = kernel
 
-    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
         fused = fb.forward_mode.is_decode() and pool is not None and pool.dtype in SUPPORTED_KV_DTYPES
         if not fused:
@@ -46,20 +46,20 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
     ) -> torch.Tensor:
         """Decode: one kernel call stores the new K/V and attends (no separate index_put)."""
         meta, pool = fb.attn_metadata, fb.token_to_kv_pool
-        if not isinstance(meta, _FusedDecodeMeta) or pool is None or k.dtype != pool.dtype \
-                or fb.out_cache_loc is None:
+        if not isinstance(meta, _FusedDecodeMeta) or pool is None or k.dtype != pool.dtype or fb.out_cache_loc is None:
             return super().forward(q, k, v, layer, fb)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        out = self.kernel(q, k_buf, v_buf, meta.req_to_token, meta.rows, meta.lens, layer.scaling,
-                          new_kv=(k, v, fb.out_cache_loc))
+        out = self.kernel(
+            q, k_buf, v_buf, meta.req_to_token, meta.rows, meta.lens, layer.scaling, new_kv=(k, v, fb.out_cache_loc)
+        )
         return out.to(q.dtype)
 
     def decode(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
     ) -> torch.Tensor:
         meta = fb.attn_metadata
         if not isinstance(meta, _FusedDecodeMeta):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -30,8 +29,32 @@ class DecodeKernel:
         self.path = Path(lib._name)
         fn = lib.meshlm_decode_attention_store
         i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [p, i64, p, p, c_int, i64, i64, p, i64, i64, p, p, i64, c_int, c_int, c_int,
-                       ctypes.c_float, p, c_int, p, i64, p, i64, p]
+        fn.argtypes = [
+            p,
+            i64,
+            p,
+            p,
+            c_int,
+            i64,
+            i64,
+            p,
+            i64,
+            i64,
+            p,
+            p,
+            i64,
+            c_int,
+            c_int,
+            c_int,
+            ctypes.c_float,
+            p,
+            c_int,
+            p,
+            i64,
+            p,
+            i64,
+            p,
+        ]
         fn.restype = c_int
         self._fn = fn
 
@@ -49,7 +72,7 @@ class DecodeKernel:
         rows: torch.Tensor,
         lens: torch.Tensor,
         scale: float,
-        new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention of q [B, H, D] (one token per request) over the first lens[b] slots of
         req_to_token[rows[b]], reading k_buf/v_buf [slots, Hkv, D] in place. Returns [B, H, D]
@@ -82,10 +105,26 @@ class DecodeKernel:
             store = (nk.data_ptr(), nk.stride(0), nv.data_ptr(), nv.stride(0), loc.data_ptr())
         out = torch.empty((b, h, d), dtype=torch.float32)
         rc = self._fn(
-            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), _KV_DTYPES[k_buf.dtype],
-            k_buf.stride(0), k_buf.shape[0], req_to_token.data_ptr(), req_to_token.shape[0],
-            req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(), b, h, hkv, d, scale, out.data_ptr(),
-            torch.get_num_threads(), *store,
+            q.data_ptr(),
+            q.stride(0),
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            _KV_DTYPES[k_buf.dtype],
+            k_buf.stride(0),
+            k_buf.shape[0],
+            req_to_token.data_ptr(),
+            req_to_token.shape[0],
+            req_to_token.stride(0),
+            rows.data_ptr(),
+            lens.data_ptr(),
+            b,
+            h,
+            hkv,
+            d,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+            *store,
         )
         if rc == 1:
             raise ValueError(f"decode kernel: unsupported heads/dim (H={h}, Hkv={hkv}, D={d})")

@@ -16,7 +16,7 @@ per forward in init_forward_metadata); a key mask hides positions >= seq_len_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ BUCKET_SLACK = 64
 
 @dataclass
 class _DecodeBucket:
-    rows: Optional[torch.Tensor]  # [b] batch rows of this bucket; None = the whole batch, in order
+    rows: torch.Tensor | None  # [b] batch rows of this bucket; None = the whole batch, in order
     flat_idx: torch.Tensor  # [b * L] KV slots, row-major, padded with slot 0
     key_mask: torch.Tensor  # [b, 1, 1, L] True where a key may be attended
     # Gather buffers reused by every layer of this forward (fresh tensors per layer cost
@@ -69,7 +69,7 @@ class _ExtendMeta:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
         assert fb.req_to_token_pool is not None
         table = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
@@ -86,13 +86,15 @@ class TorchNativeAttnBackend(AttentionBackend):
                 kv_idx = table[pool_rows, :max_len]
                 mask = torch.arange(max_len, device=kv_idx.device)[None, :] < lens.to(kv_idx.device)[:, None]
                 shape = (kv_idx.numel(), k0.shape[1], k0.shape[2])
-                buckets.append(_DecodeBucket(
-                    rows,
-                    kv_idx.masked_fill(~mask, 0).reshape(-1),
-                    mask[:, None, None, :],
-                    torch.empty(shape, dtype=k0.dtype, device=k0.device),
-                    torch.empty(shape, dtype=k0.dtype, device=k0.device),
-                ))
+                buckets.append(
+                    _DecodeBucket(
+                        rows,
+                        kv_idx.masked_fill(~mask, 0).reshape(-1),
+                        mask[:, None, None, :],
+                        torch.empty(shape, dtype=k0.dtype, device=k0.device),
+                        torch.empty(shape, dtype=k0.dtype, device=k0.device),
+                    )
+                )
             fb.attn_metadata = _DecodeMeta(buckets)
             return
         bounds, kv_idx, start = [], [], 0
@@ -108,8 +110,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: "RadixAttention",
-        fb: "ForwardBatch",
+        layer: RadixAttention,
+        fb: ForwardBatch,
     ) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         assert pool is not None and fb.out_cache_loc is not None
@@ -120,7 +122,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         return self._extend(q, k, v, k_buf, v_buf, layer, fb, layer.num_heads != layer.num_kv_heads)
 
     def decode(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch"
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
     ) -> torch.Tensor:
         """Decode attention of q [B, H, D] over the pool buffers (this token's KV already stored)."""
         meta = fb.attn_metadata
@@ -136,7 +138,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     @staticmethod
     def _decode_bucket(
-        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: "RadixAttention", bucket: _DecodeBucket
+        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention, bucket: _DecodeBucket
     ) -> torch.Tensor:
         b, h, d = q.shape
         hkv = layer.num_kv_heads
@@ -153,8 +155,14 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     @staticmethod
     def _extend(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-        layer: "RadixAttention", fb: "ForwardBatch", gqa: bool,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: RadixAttention,
+        fb: ForwardBatch,
+        gqa: bool,
     ) -> torch.Tensor:
         meta = fb.attn_metadata
         assert isinstance(meta, _ExtendMeta)
@@ -164,9 +172,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             if pre == 0:
                 ki = k[s:e].transpose(0, 1).unsqueeze(0)
                 vi = v[s:e].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=gqa
-                )
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
             else:
                 ki = k_buf[kv_idx].transpose(0, 1).unsqueeze(0).to(q.dtype)
                 vi = v_buf[kv_idx].transpose(0, 1).unsqueeze(0).to(q.dtype)

@@ -17,7 +17,7 @@ after a local prefill.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -69,7 +69,7 @@ class DecodeAdmission:
         req.output_token_ids_logprobs = list(msg.output_token_ids_logprobs)
         self.state.transfer_queue.append(PendingTransfer(req, msg.kv))
 
-    def _check_prefilled(self, msg: PrefilledReq) -> Optional[str]:
+    def _check_prefilled(self, msg: PrefilledReq) -> str | None:
         pool = self.memory.kv_pool
         vocab = self.memory.vocab_size
         want = (pool.layer_num, 2, len(msg.req.input_ids), pool.head_num, pool.head_dim)

@@ -40,17 +40,23 @@ class PrefillHandoff:
         n = len(req.origin_input_ids)
         assert req.req_pool_idx is not None
         slots = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
-        kv = torch.stack([
-            torch.stack([pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]])
-            for layer in range(pool.layer_num)
-        ]).cpu()
+        kv = torch.stack(
+            [
+                torch.stack([pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]])
+                for layer in range(pool.layer_num)
+            ]
+        ).cpu()
         msg = PrefilledReq(
             req=TokenizedGenerateReqInput(
-                rid=req.rid, input_ids=list(req.origin_input_ids),
+                rid=req.rid,
+                input_ids=list(req.origin_input_ids),
                 sampling_params=copy.deepcopy(req.sampling_params),
-                input_text=req.origin_input_text, return_logprob=req.return_logprob,
-                logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-                token_ids_logprob=req.token_ids_logprob, stream=req.stream,
+                input_text=req.origin_input_text,
+                return_logprob=req.return_logprob,
+                logprob_start_len=req.logprob_start_len,
+                top_logprobs_num=req.top_logprobs_num,
+                token_ids_logprob=req.token_ids_logprob,
+                stream=req.stream,
             ),
             output_ids=list(req.output_ids),
             kv=kv,

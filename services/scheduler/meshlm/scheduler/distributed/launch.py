@@ -39,8 +39,9 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -185,8 +186,17 @@ def start_tp_group(size: int, device: torch.device, follower: Follower, leader: 
             conns.append(recv)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, size, init_method, device.type, threads, os.getpid(), send, follower,
-                      logging.getLogger().getEffectiveLevel()),
+                args=(
+                    rank,
+                    size,
+                    init_method,
+                    device.type,
+                    threads,
+                    os.getpid(),
+                    send,
+                    follower,
+                    logging.getLogger().getEffectiveLevel(),
+                ),
                 name=f"meshlm-tp-rank-{rank}",
                 daemon=True,
             )
@@ -195,8 +205,7 @@ def start_tp_group(size: int, device: torch.device, follower: Follower, leader: 
             ranks.procs.append(proc)
         if device.type == "cpu":
             torch.set_num_threads(threads)
-        logger.info("tensor parallelism %d: ranks 1..%d are processes %s (%s)",
-                    size, size - 1, ranks.pids, init_method)
+        logger.info("tensor parallelism %d: ranks 1..%d are processes %s (%s)", size, size - 1, ranks.pids, init_method)
         helper.start()
         _await_start(result, ranks.procs, conns)
     except BaseException:

@@ -13,7 +13,6 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -50,7 +49,7 @@ class CpuOps:
         return x.device.type == "cpu" and x.dtype in _DTYPES and _rows(x) and x.shape[-1] <= MAX_ROW
 
     def add_rmsnorm(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """norm(x) without residual; else residual += x in place and norm(residual) is returned.
         x, residual: [T, H] of one dtype; weight [H] of that dtype."""
@@ -61,31 +60,65 @@ class CpuOps:
             raise ValueError("RMSNorm residual must match x's shape and dtype")
         out = torch.empty((t, h), dtype=x.dtype)
         r = residual if residual is not None else x
-        rc = self._norm(x.data_ptr(), r.data_ptr(), weight.data_ptr(), out.data_ptr(), _DTYPES[x.dtype],
-                        t, h, x.stride(0), r.stride(0), out.stride(0), eps, residual is not None,
-                        torch.get_num_threads())
+        rc = self._norm(
+            x.data_ptr(),
+            r.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            _DTYPES[x.dtype],
+            t,
+            h,
+            x.stride(0),
+            r.stride(0),
+            out.stride(0),
+            eps,
+            residual is not None,
+            torch.get_num_threads(),
+        )
         if rc:
             raise ValueError(f"add_rmsnorm: unsupported hidden size {h}")
         return out
 
     def rope_neox(
-        self, qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, head_dim: int,
-        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        num_k_heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> None:
         """Rotate the q and k heads at the start of each qkv row [T, >= (nq + nk) * D] in place
         by positions [T] (int64), with float32 tables cos/sin [max_pos, D]."""
         t = qkv.shape[0]
         if qkv.shape[1] < (num_q_heads + num_k_heads) * head_dim:
             raise ValueError("qkv rows are shorter than the q and k heads")
-        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != sin.shape \
-                or cos.shape[1] != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        if (
+            cos.dtype != torch.float32
+            or sin.dtype != torch.float32
+            or cos.shape != sin.shape
+            or cos.shape[1] != head_dim
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
             raise ValueError(f"RoPE tables must be contiguous float32 [max_pos, {head_dim}]")
         pos = positions.to(torch.int64).contiguous()
         if pos.shape != (t,):
             raise ValueError(f"positions must be [{t}], got {tuple(pos.shape)}")
-        rc = self._rope(qkv.data_ptr(), _DTYPES[qkv.dtype], t, qkv.stride(0), num_q_heads, num_k_heads,
-                        head_dim, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-                        torch.get_num_threads())
+        rc = self._rope(
+            qkv.data_ptr(),
+            _DTYPES[qkv.dtype],
+            t,
+            qkv.stride(0),
+            num_q_heads,
+            num_k_heads,
+            head_dim,
+            pos.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.shape[0],
+            torch.get_num_threads(),
+        )
         if rc == 3:
             raise IndexError(f"rope: a position is outside the table of {cos.shape[0]}")
         if rc:
@@ -97,8 +130,16 @@ class CpuOps:
         if two_i % 2:
             raise ValueError(f"silu_mul needs an even [gate | up] width, got {two_i}")
         out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
-        rc = self._silu(gate_up.data_ptr(), out.data_ptr(), _DTYPES[gate_up.dtype], t, two_i // 2,
-                        gate_up.stride(0), out.stride(0), torch.get_num_threads())
+        rc = self._silu(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            _DTYPES[gate_up.dtype],
+            t,
+            two_i // 2,
+            gate_up.stride(0),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
         if rc:
             raise ValueError(f"silu_mul: unsupported width {two_i}")
         return out
@@ -110,7 +151,7 @@ def load_cpu_ops() -> CpuOps:
     return CpuOps(load_library(SOURCE))
 
 
-def cpu_ops_or_none() -> Optional[CpuOps]:
+def cpu_ops_or_none() -> CpuOps | None:
     """load_cpu_ops(), or None (with a warning) where the kernels cannot be built."""
     try:
         return load_cpu_ops()

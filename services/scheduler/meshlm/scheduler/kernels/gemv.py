@@ -19,7 +19,6 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -50,8 +49,8 @@ class GemvWeight:
     out_features: int
     in_features: int
     quants: torch.Tensor
-    scales: Optional[torch.Tensor] = None
-    mins: Optional[torch.Tensor] = None
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -98,7 +97,7 @@ class GemvOps:
                 return got
         raise ValueError(f"no format among {formats} holds this weight")
 
-    def _recover(self, w: torch.Tensor, fmt: str) -> Optional[GemvWeight]:
+    def _recover(self, w: torch.Tensor, fmt: str) -> GemvWeight | None:
         n, k = w.shape
         blocks = n * (k // BLOCK)
         scales = torch.empty(blocks, dtype=torch.float32)
@@ -114,7 +113,7 @@ class GemvOps:
             return GemvWeight(fmt, n, k, quants, scales) if rc == 0 else None
         raise ValueError(f"unknown GEMV format {fmt!r}; known: {FORMATS}")
 
-    def gemv(self, x: torch.Tensor, weight: GemvWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def gemv(self, x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M <= GEMV_MAX_ROWS, K] float32 (rows contiguous) @ weight^T (+ bias [N])."""
         m, k = x.shape
         n = weight.out_features
@@ -129,12 +128,33 @@ class GemvOps:
             rc = self._f32(x.data_ptr(), x.stride(0), weight.quants.data_ptr(), b, out.data_ptr(), m, n, k, threads)
         elif weight.format == "q4_1":
             assert weight.scales is not None and weight.mins is not None
-            rc = self._q4(x.data_ptr(), x.stride(0), weight.scales.data_ptr(), weight.mins.data_ptr(),
-                          weight.quants.data_ptr(), b, out.data_ptr(), m, n, k, threads)
+            rc = self._q4(
+                x.data_ptr(),
+                x.stride(0),
+                weight.scales.data_ptr(),
+                weight.mins.data_ptr(),
+                weight.quants.data_ptr(),
+                b,
+                out.data_ptr(),
+                m,
+                n,
+                k,
+                threads,
+            )
         else:
             assert weight.scales is not None
-            rc = self._q8(x.data_ptr(), x.stride(0), weight.scales.data_ptr(), weight.quants.data_ptr(), b,
-                          out.data_ptr(), m, n, k, threads)
+            rc = self._q8(
+                x.data_ptr(),
+                x.stride(0),
+                weight.scales.data_ptr(),
+                weight.quants.data_ptr(),
+                b,
+                out.data_ptr(),
+                m,
+                n,
+                k,
+                threads,
+            )
         if rc:
             raise ValueError(f"gemv: unsupported shape {tuple(x.shape)} x {weight.format} [{n}, {k}]")
         return out
@@ -161,7 +181,7 @@ def load_gemv_ops() -> GemvOps:
     return GemvOps(load_library(SOURCE))
 
 
-def gemv_ops_or_none() -> Optional[GemvOps]:
+def gemv_ops_or_none() -> GemvOps | None:
     """load_gemv_ops(), or None (with a warning) where the kernels cannot be built."""
     try:
         return load_gemv_ops()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim (equal halves) -> silu(gate) * up; one C pass when
     ModelRunner set `cpu_ops` (CPU)."""
 
-    cpu_ops: Optional["CpuOps"] = None
+    cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_ops is not None and self.cpu_ops.supports(x):

@@ -12,7 +12,7 @@ that holds it exactly instead (kernels/gemv.py: the GGUF's Q4_1 / Q8_0 blocks, e
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +30,7 @@ def prepack_supported() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def try_pack(weight: torch.Tensor, bias: Optional[torch.Tensor],
-             gemv_ops: Optional["GemvOps"] = None) -> Optional[PackedLinear]:
+def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: GemvOps | None = None) -> PackedLinear | None:
     """A checked PackedLinear, or None where this torch build or CPU cannot pack `weight`
     (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees."""
     if not prepack_supported() or weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES:
@@ -57,8 +56,13 @@ class PackedLinear:
     GGUF's Q4_1 blocks take 0.75 byte a weight, any other weight a dense float32 copy.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int = BATCH_HINT,
-                 gemv_ops: Optional["GemvOps"] = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        batch_hint: int = BATCH_HINT,
+        gemv_ops: GemvOps | None = None,
+    ) -> None:
         if weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES or weight.dim() != 2:
             raise ValueError(f"PackedLinear needs a 2-D CPU weight of {PACK_DTYPES}")
         self.out_features, self.in_features = weight.shape
@@ -67,18 +71,22 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().contiguous()
         use_gemv = gemv_ops is not None and weight.dtype == torch.float32
         self.gemv_ops = gemv_ops if use_gemv else None
-        self.small: Optional["GemvWeight"] = gemv_ops.build(weight) if gemv_ops is not None and use_gemv else None
+        self.small: GemvWeight | None = gemv_ops.build(weight) if gemv_ops is not None and use_gemv else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             lead = x.shape[:-1]
             return self(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
-        if self.gemv_ops is not None and self.small is not None and 0 < x.shape[0] <= self.small.max_rows \
-                and x.dtype == torch.float32:
+        if (
+            self.gemv_ops is not None
+            and self.small is not None
+            and 0 < x.shape[0] <= self.small.max_rows
+            and x.dtype == torch.float32
+        ):
             return self.gemv_ops.gemv(x if x.stride(1) == 1 else x.contiguous(), self.small, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
-    def matches(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    def matches(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Self-check against F.linear on random rows (a build whose oneDNN misbehaves on this
         CPU is not used). Draws from its own generator: the global RNG, seeded by --random-seed
         for sampling, is left untouched."""
@@ -94,8 +102,7 @@ class PackedLinear:
         return True
 
 
-def prepack_weight(module: torch.nn.Module, with_bias: bool,
-                   gemv_ops: Optional["GemvOps"] = None) -> Optional[PackedLinear]:
+def prepack_weight(module: torch.nn.Module, with_bias: bool, gemv_ops: GemvOps | None = None) -> PackedLinear | None:
     """A PackedLinear of `module.weight` (and its bias if with_bias); the module's parameter is
     then an empty tensor of its dtype (the PackedLinear holds a small-batch copy of the weight
     only where it streams it for small batches). None when this torch build or CPU cannot (the module keeps its dense

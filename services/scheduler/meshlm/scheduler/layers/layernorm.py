@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,9 +18,9 @@ class RMSNorm(nn.Module):
     is then updated in place (callers hand over the residual they got from the previous call).
     """
 
-    cpu_ops: Optional["CpuOps"] = None
+    cpu_ops: CpuOps | None = None
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.eps = eps
@@ -32,8 +32,8 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         ops = self.cpu_ops
         if ops is not None and ops.supports(x) and (residual is None or ops.supports(residual)):

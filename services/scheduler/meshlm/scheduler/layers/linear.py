@@ -9,7 +9,7 @@ each checkpoint tensor into its own slice of this rank's shard.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ class ColumnParallelLinear(nn.Module):
     layout (layers/cpu_gemm.py) and the dense parameter is empty.
     """
 
-    packed: Optional[PackedLinear] = None
+    packed: PackedLinear | None = None
 
     def __init__(
         self,
@@ -43,7 +43,7 @@ class ColumnParallelLinear(nn.Module):
         output_size: int,
         bias: bool = False,
         tp: TpGroup = SINGLE,
-        params_dtype: Optional[torch.dtype] = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -63,7 +63,7 @@ class ColumnParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[0])
         _copy_into(param.data, loaded.narrow(0, start, n), "column-parallel")
 
-    def prepack(self, gemv_ops: Optional["GemvOps"] = None) -> bool:
+    def prepack(self, gemv_ops: GemvOps | None = None) -> bool:
         self.packed = prepack_weight(self, with_bias=True, gemv_ops=gemv_ops)
         return self.packed is not None
 
@@ -77,7 +77,7 @@ class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard W_shard^T) + b; W's input columns are sharded. prepack() as in
     ColumnParallelLinear (the bias stays outside: it is added once, after the reduction)."""
 
-    packed: Optional[PackedLinear] = None
+    packed: PackedLinear | None = None
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class RowParallelLinear(nn.Module):
         output_size: int,
         bias: bool = False,
         tp: TpGroup = SINGLE,
-        params_dtype: Optional[torch.dtype] = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -94,9 +94,7 @@ class RowParallelLinear(nn.Module):
             torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype),
             requires_grad=False,
         )
-        self.bias = (
-            nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False) if bias else None
-        )
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias is replicated, added once after the reduction
@@ -105,7 +103,7 @@ class RowParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[1])
         _copy_into(param.data, loaded.narrow(1, start, n), "row-parallel")
 
-    def prepack(self, gemv_ops: Optional["GemvOps"] = None) -> bool:
+    def prepack(self, gemv_ops: GemvOps | None = None) -> bool:
         self.packed = prepack_weight(self, with_bias=False, gemv_ops=gemv_ops)
         return self.packed is not None
 
@@ -124,7 +122,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         output_sizes: list[int],
         bias: bool = False,
         tp: TpGroup = SINGLE,
-        params_dtype: Optional[torch.dtype] = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, sum(output_sizes), bias, tp, params_dtype)
         self.output_sizes = output_sizes
@@ -149,7 +147,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool = False,
         tp: TpGroup = SINGLE,
-        params_dtype: Optional[torch.dtype] = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         self.head_dim = head_dim
         self.total_num_heads = total_num_heads

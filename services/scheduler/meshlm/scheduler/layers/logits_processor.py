@@ -8,7 +8,7 @@ extend segment (position j predicts fill token j + 1). DECODE batches need every
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [B, V] float32
     # Rows for input logprobs, request after request; None when nobody asked for them.
-    input_logits: Optional[torch.Tensor] = None
+    input_logits: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):
@@ -36,33 +36,26 @@ class LogitsProcessor(nn.Module):
         self.logit_scale = logit_scale
         # The head in oneDNN's layout (CPU, set by prepack); the dense weight stays the
         # caller's (with tied embeddings it is also the embedding table).
-        self.packed_head: Optional[PackedLinear] = None
+        self.packed_head: PackedLinear | None = None
 
-    def prepack(self, lm_head_weight: torch.Tensor, gemv_ops: Optional["GemvOps"] = None) -> bool:
+    def prepack(self, lm_head_weight: torch.Tensor, gemv_ops: GemvOps | None = None) -> bool:
         self.packed_head = try_pack(lm_head_weight, None, gemv_ops)
         return self.packed_head is not None
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:
-            logits = self.packed_head(hidden)
-        else:
-            logits = torch.matmul(hidden, weight.t())
+        logits = self.packed_head(hidden) if self.packed_head is not None else torch.matmul(hidden, weight.t())
         logits = self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         return logits.float()
 
-    def forward(
-        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, fb: ForwardBatch
-    ) -> LogitsProcessorOutput:
+    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, fb: ForwardBatch) -> LogitsProcessorOutput:
         if fb.forward_mode.is_decode():
             return LogitsProcessorOutput(self._project(hidden, lm_head_weight))
         lens = fb.extend_seq_lens_cpu
         ends = torch.tensor(lens, dtype=torch.int64).cumsum(0)
         last = (ends - 1).to(hidden.device)
-        if not fb.return_logprob or not any(
-            s < n - 1 for s, n in zip(fb.extend_logprob_start_lens_cpu, lens)
-        ):
+        if not fb.return_logprob or not any(s < n - 1 for s, n in zip(fb.extend_logprob_start_lens_cpu, lens)):
             return LogitsProcessorOutput(self._project(hidden[last], lm_head_weight))
         # Segment i of the packed batch starts at ends[i] - lens[i].
         rows: list[torch.Tensor] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from meshlm.scheduler.kernels.cpu_ops import CpuOps
 
 
-def _inv_freq(head_dim: int, base: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
@@ -53,7 +53,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_position: int,
         base: float,
-        rope_scaling: Optional[dict[str, Any]] = None,
+        rope_scaling: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -74,10 +74,9 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCosSin:
         """cos, sin of `positions` [T], each [T, 1, D] in `dtype`, for apply()."""
         self._ensure(positions)
-        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
-                self.sin_cache[positions].unsqueeze(1).to(dtype))
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype))
 
-    def batch(self, positions: torch.Tensor, dtype: torch.dtype, ops: Optional["CpuOps"] = None) -> "RopeBatch":
+    def batch(self, positions: torch.Tensor, dtype: torch.dtype, ops: CpuOps | None = None) -> RopeBatch:
         """RoPE for one forward's positions, shared by all its layers."""
         self._ensure(positions)
         return RopeBatch(self, positions, dtype, ops)
@@ -97,10 +96,9 @@ class RopeBatch:
     with torch ops (which allocate the rotated q and k).
     """
 
-    def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
-                 ops: Optional["CpuOps"]) -> None:
+    def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, ops: CpuOps | None) -> None:
         self.emb, self.positions, self.ops = emb, positions, ops
-        self.cos_sin: Optional[RopeCosSin] = None if ops is not None else emb.cos_sin(positions, dtype)
+        self.cos_sin: RopeCosSin | None = None if ops is not None else emb.cos_sin(positions, dtype)
 
     def rotate_qkv(
         self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
@@ -109,8 +107,7 @@ class RopeBatch:
         t, d = qkv.shape[0], head_dim
         q_size, kv_size = num_heads * d, num_kv_heads * d
         if self.ops is not None and self.ops.supports(qkv):
-            self.ops.rope_neox(qkv, num_heads, num_kv_heads, d, self.positions, self.emb.cos_cache,
-                               self.emb.sin_cache)
+            self.ops.rope_neox(qkv, num_heads, num_kv_heads, d, self.positions, self.emb.cos_cache, self.emb.sin_cache)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             return q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

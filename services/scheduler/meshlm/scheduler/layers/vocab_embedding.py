@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,15 +23,13 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         tp: TpGroup = SINGLE,
-        params_dtype: Optional[torch.dtype] = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.num_embeddings = num_embeddings
         self.vocab_start, self.shard_size = tp.shard(_padded(num_embeddings, tp))
-        self.weight = nn.Parameter(
-            torch.empty(self.shard_size, embedding_dim, dtype=params_dtype), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=params_dtype), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         rows = max(0, min(self.shard_size, loaded.shape[0] - self.vocab_start))

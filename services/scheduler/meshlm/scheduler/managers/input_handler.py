@@ -9,7 +9,6 @@ Runs on the loop thread, between two steps.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.scheduler.disaggregation.decode import DecodeAdmission
@@ -43,7 +42,7 @@ class InputHandler:
         *,
         port: SchedulerPort,
         is_embedding_model: bool,
-        max_queued_requests: Optional[int],
+        max_queued_requests: int | None,
         validator: RequestValidator,
         sessions: SessionController,
         state: SchedulerState,

@@ -9,7 +9,7 @@ meshlm.common.finish.FinishReason, the type every service shares.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from meshlm.common.finish import FinishReason
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
@@ -22,16 +22,16 @@ class TokenizedGenerateReqInput:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    input_text: Optional[str] = None
+    input_text: str | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    token_ids_logprob: Optional[list[int]] = None
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     # Multi-turn session (OpenSessionReq): the input becomes the previous turn's prompt and
     # outputs followed by input_ids. session_rid names the turn to continue (None = the last).
-    session_id: Optional[str] = None
-    session_rid: Optional[str] = None
+    session_id: str | None = None
+    session_rid: str | None = None
 
 
 @dataclass
@@ -49,7 +49,7 @@ class PrefilledReq:
     output_ids: list[int]
     kv: Any
     cached_tokens: int = 0
-    input_token_logprobs: list[Optional[float]] = field(default_factory=list)
+    input_token_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
     output_token_logprobs: list[float] = field(default_factory=list)
@@ -61,7 +61,7 @@ class PrefilledReq:
 class TokenizedEmbeddingReqInput:
     rid: str
     input_ids: list[int]
-    input_text: Optional[str] = None
+    input_text: str | None = None
 
 
 @dataclass
@@ -113,13 +113,13 @@ class OpenSessionReq:
     turn's request may hold, 0 = the context length; session_id None = make one."""
 
     capacity_of_str_len: int = 0
-    session_id: Optional[str] = None
+    session_id: str | None = None
     call_id: int = 0
 
 
 @dataclass
 class OpenSessionOutput:
-    session_id: Optional[str]
+    session_id: str | None
     success: bool
     message: str = ""
     call_id: int = 0
@@ -158,7 +158,7 @@ class LogprobDelta:
     entry k is about prompt token `input_token_ids[k]`; the first prompt token has no logprob
     (None, and an empty top / token-id row). Output entry k is about the delta's output id k."""
 
-    input_token_logprobs: list[Optional[float]] = field(default_factory=list)
+    input_token_logprobs: list[float | None] = field(default_factory=list)
     input_token_ids: list[int] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
@@ -166,7 +166,7 @@ class LogprobDelta:
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     output_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
 
-    def extend(self, later: "LogprobDelta") -> None:
+    def extend(self, later: LogprobDelta) -> None:
         """Append a later delta's entries (every list concatenates)."""
         for name in self.__dataclass_fields__:
             getattr(self, name).extend(getattr(later, name))
@@ -183,16 +183,16 @@ class TokenDelta:
 
     rid: str
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[FinishReason] = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     retraction_count: int = 0
-    logprobs: Optional[LogprobDelta] = None
+    logprobs: LogprobDelta | None = None
     prompt_tail_ids: list[int] = field(default_factory=list)
-    times: Optional[ReqTimes] = None
+    times: ReqTimes | None = None
 
-    def absorb(self, later: "TokenDelta") -> None:
+    def absorb(self, later: TokenDelta) -> None:
         """Fold a later delta of the same request into this one (a running total): ids and
         logprobs concatenate; counts, finish reason and times are the later ones."""
         self.output_ids.extend(later.output_ids)
@@ -233,15 +233,15 @@ class BatchEmbeddingOut:
 
 # What goes through the SchedulerPort: inputs from the outside, outputs per step (tokens,
 # embeddings, and on a prefill scheduler the handed-over requests), replies to control calls.
-InputMessage = Union[
-    TokenizedGenerateReqInput,
-    PrefilledReq,
-    TokenizedEmbeddingReqInput,
-    AbortReq,
-    FlushCacheReq,
-    GetLoadReq,
-    OpenSessionReq,
-    CloseSessionReq,
-]
-OutputMessage = Union[BatchTokenIDOut, BatchEmbeddingOut, PrefilledReq]
-ControlOutput = Union[FlushCacheOutput, LoadReport, OpenSessionOutput, CloseSessionOutput]
+InputMessage = (
+    TokenizedGenerateReqInput
+    | PrefilledReq
+    | TokenizedEmbeddingReqInput
+    | AbortReq
+    | FlushCacheReq
+    | GetLoadReq
+    | OpenSessionReq
+    | CloseSessionReq
+)
+OutputMessage = BatchTokenIDOut | BatchEmbeddingOut | PrefilledReq
+ControlOutput = FlushCacheOutput | LoadReport | OpenSessionOutput | CloseSessionOutput

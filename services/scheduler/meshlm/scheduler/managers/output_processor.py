@@ -11,7 +11,6 @@ prefill role hands it over (PrefillHandoff) or it is a decode step riding in a m
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 
@@ -39,7 +38,7 @@ FORCE_STREAM_INTERVAL = 50  # non-streaming requests still emit this often (deto
 class OutputProcessor:
     def __init__(
         self,
-        tokenizer: Optional[Tokenizer],
+        tokenizer: Tokenizer | None,
         tree_cache: BasePrefixCache,
         port: SchedulerPort,
         stream_interval: int,
@@ -217,9 +216,7 @@ class OutputProcessor:
         if not sp.stop_strs or self.tokenizer is None:
             return False
         tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
-        return any(
-            tail.endswith(stop[:k]) for stop in sp.stop_strs for k in range(1, min(len(tail), len(stop)) + 1)
-        )
+        return any(tail.endswith(stop[:k]) for stop in sp.stop_strs for k in range(1, min(len(tail), len(stop)) + 1))
 
     def stream_output(self, reqs: list[Req]) -> None:
         out = BatchTokenIDOut()

@@ -8,7 +8,8 @@ callbacks (which must be cheap and thread-safe, e.g. loop.call_soon_threadsafe).
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from meshlm.scheduler.managers.io_struct import ControlOutput, InputMessage, OutputMessage
 
@@ -17,7 +18,7 @@ OutputCallback = Callable[[Any], None]
 
 class SchedulerPort:
     def __init__(self, on_output: OutputCallback, on_control: OutputCallback) -> None:
-        self._inbox: "queue.Queue[InputMessage]" = queue.Queue()
+        self._inbox: queue.Queue[InputMessage] = queue.Queue()
         self._on_output = on_output
         self._on_control = on_control
 

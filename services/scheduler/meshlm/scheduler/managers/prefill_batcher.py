@@ -16,7 +16,6 @@ of an object id), so every TP rank builds the same batch.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.managers.req import Req
@@ -60,7 +59,7 @@ class PrefillBatcher:
         req.cache_protected_len = len(req.prefix_indices)
         req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
 
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
         """The next prefill batch with its forward prepared (batch.pending_fb), or None."""
         state, max_running = self.state, self.memory.max_running_requests
         if not state.waiting_queue and state.chunked_req is None:
@@ -73,12 +72,17 @@ class PrefillBatcher:
         self.policy.calc_priority(state.waiting_queue)
         mixing = self.enable_mixed_chunk and not state.running_batch.is_empty()
         adder = PrefillAdder(
-            self.memory.tree_cache, self.memory.allocator, state.running_batch.reqs, state.new_token_ratio,
-            self.max_prefill_tokens, self.chunked_prefill_size, self.page_size,
+            self.memory.tree_cache,
+            self.memory.allocator,
+            state.running_batch.reqs,
+            state.new_token_ratio,
+            self.max_prefill_tokens,
+            self.chunked_prefill_size,
+            self.page_size,
             mixed_with_decode_tokens=running_bs if mixing else 0,
         )
         picked_heads: set[PrefixHead] = set()
-        embed: Optional[bool] = None
+        embed: bool | None = None
         if state.chunked_req is not None:
             state.chunked_req.init_next_round_input()
             adder.add_chunked_req(state.chunked_req)

@@ -15,7 +15,6 @@ KV exists for every token except the newest output token, which is fed by the ne
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 
@@ -38,11 +37,11 @@ class Req:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
-        token_ids_logprob: Optional[list[int]] = None,
+        token_ids_logprob: list[int] | None = None,
         stream: bool = False,
         is_embedding: bool = False,
-        origin_input_text: Optional[str] = None,
-        session_id: Optional[str] = None,
+        origin_input_text: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         self.rid = rid
         self.session_id = session_id
@@ -62,9 +61,9 @@ class Req:
         self.eos_token_ids = frozenset(eos_token_ids)
 
         # Memory state.
-        self.req_pool_idx: Optional[int] = None
+        self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
-        self.last_node: Optional[TreeNode] = None  # deepest node of the locked cached prefix
+        self.last_node: TreeNode | None = None  # deepest node of the locked cached prefix
         self.extend_input_len = 0
         self.cache_protected_len = 0  # leading KV positions owned by the radix tree (locked)
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to users)
@@ -78,7 +77,7 @@ class Req:
         self.token_ids_logprob = token_ids_logprob
         self.input_logprobs_done = False
         self.input_logprobs_sent = False
-        self.input_token_logprobs: list[Optional[float]] = []  # None: the first prompt token
+        self.input_token_logprobs: list[float | None] = []  # None: the first prompt token
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.input_token_ids_logprobs: list[list[tuple[float, int]]] = []
         self.output_token_logprobs: list[float] = []
@@ -87,9 +86,9 @@ class Req:
 
         # Outputs. `transferred`: a prefill scheduler handed the request to a decode scheduler,
         # which finishes it; here it counts as finished but is never emitted.
-        self.finished_reason: Optional[FinishReason] = None
+        self.finished_reason: FinishReason | None = None
         self.transferred = False
-        self.embedding: Optional[list[float]] = None
+        self.embedding: list[float] | None = None
         self.send_token_offset = 0
         self.send_logprob_offset = 0
 

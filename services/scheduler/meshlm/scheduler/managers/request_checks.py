@@ -8,8 +8,6 @@ Used for new requests (InputHandler) and for requests a prefill scheduler hands 
 
 from __future__ import annotations
 
-from typing import Optional
-
 from meshlm.scheduler.managers.io_struct import TokenizedGenerateReqInput
 from meshlm.scheduler.managers.req import Req
 from meshlm.scheduler.managers.tokenizer_protocol import Tokenizer
@@ -18,7 +16,7 @@ from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
 
 class RequestValidator:
-    def __init__(self, model_config: ModelConfig, tokenizer: Optional[Tokenizer], max_req_len: int) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer | None, max_req_len: int) -> None:
         """max_req_len: the most tokens (prompt + outputs) one request may hold."""
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -28,7 +26,9 @@ class RequestValidator:
     def new_req(self, recv: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
         """A Req for recv whose prompt is input_ids (a session turn's prompt differs from recv's)."""
         return Req(
-            recv.rid, input_ids, recv.sampling_params,
+            recv.rid,
+            input_ids,
+            recv.sampling_params,
             eos_token_ids=self.eos_token_ids,
             return_logprob=recv.return_logprob,
             logprob_start_len=recv.logprob_start_len,
@@ -39,7 +39,7 @@ class RequestValidator:
             session_id=recv.session_id,
         )
 
-    def new_embedding_req(self, rid: str, input_ids: list[int], input_text: Optional[str]) -> Req:
+    def new_embedding_req(self, rid: str, input_ids: list[int], input_text: str | None) -> Req:
         return Req(rid, input_ids, SamplingParams(max_new_tokens=0), is_embedding=True, origin_input_text=input_text)
 
     def too_long(self, n: int) -> str:
@@ -50,7 +50,7 @@ class RequestValidator:
             f"({self.model_config.context_len} tokens; a request may hold at most {self.max_req_len} input tokens)."
         )
 
-    def validate(self, req: Req) -> Optional[str]:
+    def validate(self, req: Req) -> str | None:
         """None when req may run (its sampling params normalized, max_new_tokens clamped),
         else the error naming the field and its limit."""
         n = len(req.origin_input_ids)
@@ -84,7 +84,7 @@ class RequestValidator:
             sp.min_new_tokens = sp.max_new_tokens
         return None
 
-    def validate_embedding(self, req: Req) -> Optional[str]:
+    def validate_embedding(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
         if n == 0:
             return "input must not be empty"

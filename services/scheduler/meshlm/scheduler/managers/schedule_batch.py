@@ -11,7 +11,7 @@ cache_protected_len is page-aligned, so a request's own slots start on a fresh p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,9 +33,9 @@ class ScheduleBatch:
     def __init__(
         self,
         reqs: list[Req],
-        req_to_token_pool: "ReqToTokenPool",
-        allocator: "TokenToKVPoolAllocator",
-        tree_cache: "BasePrefixCache",
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        tree_cache: BasePrefixCache,
         vocab_size: int,
         device: torch.device,
     ) -> None:
@@ -46,11 +46,11 @@ class ScheduleBatch:
         self.vocab_size = vocab_size
         self.device = device
         self.forward_mode = ForwardMode.IDLE
-        self.sampling_info: Optional[SamplingBatchInfo] = None
+        self.sampling_info: SamplingBatchInfo | None = None
         # Requests of an EXTEND batch that sample this step (a non-final chunk does not).
         self.sampling_reqs: list[Req] = []
         # The forward prepared by prepare_for_extend / prepare_for_decode, run next.
-        self.pending_fb: Optional[ForwardBatch] = None
+        self.pending_fb: ForwardBatch | None = None
         # Requests of a MIXED batch that were decoding (mix_with_running): they take one
         # decode step here and are not prefills.
         self.decoding_reqs: list[Req] = []
@@ -90,9 +90,7 @@ class ScheduleBatch:
                 req.req_pool_idx = rows[0]
         prefix_lens = [len(r.prefix_indices) for r in self.reqs]
         seq_lens = [len(r.fill_ids) for r in self.reqs]
-        last_loc = [
-            int(table[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)
-        ]
+        last_loc = [int(table[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)]
         out_cache_loc = self._alloc_extend(prefix_lens, seq_lens, last_loc)
 
         input_ids: list[int] = []
@@ -175,7 +173,7 @@ class ScheduleBatch:
         )
 
     # ---- MIXED (prefill + decode in one forward) -------------------------------------------
-    def mix_with_running(self, extend_fb: ForwardBatch, running: "ScheduleBatch") -> ForwardBatch:
+    def mix_with_running(self, extend_fb: ForwardBatch, running: ScheduleBatch) -> ForwardBatch:
         """Fold the running batch's next decode step into this prefill batch (SGLang's mixed
         chunk): each running request becomes an extend segment of one token (its newest
         output, at position seqlen-1, over its seqlen-1 cached tokens), after this batch's
@@ -220,7 +218,7 @@ class ScheduleBatch:
         if self.sampling_info is not None:
             self.sampling_info.filter_batch(keep)
 
-    def merge_batch(self, other: "ScheduleBatch") -> None:
+    def merge_batch(self, other: ScheduleBatch) -> None:
         """Append the sampling requests of a finished prefill batch to this running batch."""
         if not other.sampling_reqs:
             return

@@ -12,7 +12,7 @@ PrefillAdder budgets (SGLang's):
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from meshlm.scheduler.managers.req import Req
 
@@ -37,7 +37,7 @@ def remaining_new_tokens(req: Req) -> int:
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: "BasePrefixCache", radix_enabled: bool) -> None:
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool) -> None:
         self.policy = policy if radix_enabled else "fcfs"
         self.tree_cache = tree_cache
 
@@ -50,12 +50,12 @@ class SchedulePolicy:
 class PrefillAdder:
     def __init__(
         self,
-        tree_cache: "BasePrefixCache",
-        allocator: "TokenToKVPoolAllocator",
+        tree_cache: BasePrefixCache,
+        allocator: TokenToKVPoolAllocator,
         running_reqs: list[Req],
         new_token_ratio: float,
         max_prefill_tokens: int,
-        chunked_prefill_size: Optional[int],
+        chunked_prefill_size: int | None,
         page_size: int,
         mixed_with_decode_tokens: int = 0,
     ) -> None:
@@ -65,11 +65,13 @@ class PrefillAdder:
         self.allocator = allocator
         self.page_size = page_size
         self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
-        self.rem_chunk_tokens = None if chunked_prefill_size is None else chunked_prefill_size - mixed_with_decode_tokens
+        self.rem_chunk_tokens = (
+            None if chunked_prefill_size is None else chunked_prefill_size - mixed_with_decode_tokens
+        )
         # Reserved for decode tokens of running requests and of requests admitted this round.
         self.total_offset = sum(int(remaining_new_tokens(r) * new_token_ratio) for r in running_reqs)
         self.can_run_list: list[Req] = []
-        self.new_chunked_req: Optional[Req] = None
+        self.new_chunked_req: Req | None = None
 
     @property
     def rem_total_tokens(self) -> int:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Optional
 
 import torch
 
@@ -50,10 +49,10 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         model_config: ModelConfig,
-        tokenizer: Optional[Tokenizer],
+        tokenizer: Tokenizer | None,
         port: SchedulerPort,
         tp: TpGroup = SINGLE,
-        tp_cpu_group: Optional[torch.distributed.ProcessGroup] = None,
+        tp_cpu_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         """tp: this rank of the TP group; tp_cpu_group: the group's gloo CPU group (required
         when tp.size > 1), over which rank 0 broadcasts each iteration's inputs."""
@@ -104,7 +103,7 @@ class Scheduler:
             msgs, stop = broadcast_pyobj((msgs, stop), self.tp.rank, self.tp_cpu_group)
         return msgs, stop
 
-    def step(self) -> Optional[ScheduleBatch]:
+    def step(self) -> ScheduleBatch | None:
         """One iteration after input processing: schedule, run, process. Returns the batch run."""
         t0 = time.perf_counter()
         batch = self.get_next_batch_to_run()
@@ -122,7 +121,7 @@ class Scheduler:
     def stop(self) -> None:
         self._stop.set()
 
-    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
         state = self.state
         last = state.last_batch
         if last is not None and last.forward_mode is ForwardMode.EXTEND and last.sampling_reqs:

@@ -38,7 +38,7 @@ class SchedulerMemory:
     device: torch.device
 
     @classmethod
-    def from_runner(cls, runner: ModelRunner, config: SchedulerConfig, vocab_size: int) -> "SchedulerMemory":
+    def from_runner(cls, runner: ModelRunner, config: SchedulerConfig, vocab_size: int) -> SchedulerMemory:
         """The runner's pools, with the prefix cache the config asks for."""
         cache_cls = ChunkCache if config.disable_radix_cache else RadixCache
         tree_cache = cache_cls(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, config.page_size)
@@ -54,7 +54,9 @@ class SchedulerMemory:
         )
 
     def new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.vocab_size, self.device)
+        return ScheduleBatch(
+            reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.vocab_size, self.device
+        )
 
     def reusable_tokens(self) -> int:
         """KV slots a new allocation may get: free ones plus cached ones it may evict."""

@@ -17,7 +17,6 @@ be put together over any pools, e.g. small CPU pools in unit tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.disaggregation.decode import DecodeAdmission
@@ -54,10 +53,10 @@ class SchedulerParts:
         cls,
         config: SchedulerConfig,
         model_config: ModelConfig,
-        tokenizer: Optional[Tokenizer],
+        tokenizer: Tokenizer | None,
         port: SchedulerPort,
         memory: SchedulerMemory,
-    ) -> "SchedulerParts":
+    ) -> SchedulerParts:
         # A request's prompt + outputs must fit both the context and the whole KV pool.
         max_req_len = min(model_config.context_len, memory.max_total_num_tokens) - 1
         state = SchedulerState(
@@ -71,14 +70,26 @@ class SchedulerParts:
         output = OutputProcessor(tokenizer, memory.tree_cache, port, config.stream_interval, handoff)
         decode_side = DecodeAdmission(prefill_role, config.page_size, validator, memory, state, output)
         inputs = InputHandler(
-            port=port, is_embedding_model=model_config.is_embedding,
-            max_queued_requests=config.max_queued_requests, validator=validator,
-            sessions=SessionController(max_req_len, tokenizer), state=state, memory=memory,
-            output=output, decode_side=decode_side, stats=stats,
+            port=port,
+            is_embedding_model=model_config.is_embedding,
+            max_queued_requests=config.max_queued_requests,
+            validator=validator,
+            sessions=SessionController(max_req_len, tokenizer),
+            state=state,
+            memory=memory,
+            output=output,
+            decode_side=decode_side,
+            stats=stats,
         )
         return cls(
-            max_req_len=max_req_len, memory=memory, state=state, stats=stats, output=output,
-            handoff=handoff, decode_side=decode_side, inputs=inputs,
+            max_req_len=max_req_len,
+            memory=memory,
+            state=state,
+            stats=stats,
+            output=output,
+            handoff=handoff,
+            decode_side=decode_side,
+            inputs=inputs,
             prefill=PrefillBatcher(config, memory, state, stats),
             retractor=Retractor(config.schedule_conservativeness, memory, state, output, stats),
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -41,8 +41,8 @@ class SchedulerState:
     new_token_ratio: float  # share of running requests' remaining tokens a prefill reserves
     waiting_queue: list[Req] = field(default_factory=list)
     transfer_queue: deque[PendingTransfer] = field(default_factory=deque)
-    chunked_req: Optional[Req] = None
-    last_batch: Optional[ScheduleBatch] = None
+    chunked_req: Req | None = None
+    last_batch: ScheduleBatch | None = None
 
     def last_prefilled(self) -> list[Req]:
         """Requests that sampled in the EXTEND batch just run and are not merged yet."""
@@ -60,13 +60,13 @@ class SchedulerState:
     def has_live_requests(self) -> bool:
         """Whether any unfinished request is waiting, transferring, chunked, decoding or just
         prefilled."""
-        return bool(
-            self.waiting_queue or self.transfer_queue or self.chunked_req is not None or self.running_reqs()
-        )
+        return bool(self.waiting_queue or self.transfer_queue or self.chunked_req is not None or self.running_reqs())
 
     def nothing_queued(self) -> bool:
         """No request waits to be scheduled and none decodes (a last batch may still be due)."""
         return (
-            self.chunked_req is None and not self.waiting_queue and not self.transfer_queue
+            self.chunked_req is None
+            and not self.waiting_queue
+            and not self.transfer_queue
             and self.running_batch.is_empty()
         )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
 
 from meshlm.scheduler.managers.io_struct import (
     CloseSessionOutput,
@@ -37,8 +36,8 @@ SessionError = tuple[str, int]  # (message, HTTP-style status)
 @dataclass
 class SessionReqNode:
     req: Req
-    parent: Optional["SessionReqNode"] = None
-    children: list["SessionReqNode"] = field(default_factory=list)
+    parent: SessionReqNode | None = None
+    children: list[SessionReqNode] = field(default_factory=list)
 
 
 @dataclass
@@ -46,7 +45,7 @@ class Session:
     session_id: str
     capacity: int  # most tokens one turn's request (prompt + outputs) may hold
     req_nodes: dict[str, SessionReqNode] = field(default_factory=dict)
-    last_rid: Optional[str] = None  # the latest admitted turn
+    last_rid: str | None = None  # the latest admitted turn
 
     def history(self) -> list[str]:
         """Request ids of the session in admission order."""
@@ -54,13 +53,13 @@ class Session:
 
 
 class SessionController:
-    def __init__(self, max_req_len: int, tokenizer: Optional[Tokenizer] = None) -> None:
+    def __init__(self, max_req_len: int, tokenizer: Tokenizer | None = None) -> None:
         self.max_req_len = max_req_len
         self.sessions: dict[str, Session] = {}
         # SGLang drops a leading BOS from a continuing turn's ids. Only do so when the tokenizer
         # adds BOS by itself: some chat models (SmolLM2) use <|im_start|> as bos_token, and
         # every chat turn starts with it.
-        self.trim_bos_id: Optional[int] = None
+        self.trim_bos_id: int | None = None
         bos = getattr(tokenizer, "bos_token_id", None)
         if tokenizer is not None and bos is not None:
             try:
@@ -94,7 +93,7 @@ class SessionController:
         return CloseSessionOutput(msg.session_id, True, "", msg.call_id)
 
     # ---- generate hooks -----------------------------------------------------------------
-    def resolve_input(self, recv: TokenizedGenerateReqInput) -> tuple[list[int], Optional[SessionError]]:
+    def resolve_input(self, recv: TokenizedGenerateReqInput) -> tuple[list[int], SessionError | None]:
         """The turn's full input ids, or (recv.input_ids, (message, status)) when it cannot run."""
         assert recv.session_id is not None
         session = self.sessions.get(recv.session_id)
@@ -111,10 +110,7 @@ class SessionController:
             )
         prev = node.req
         if not prev.finished():
-            message = (
-                f"Invalid request session id: request {prev_rid!r} of session {recv.session_id} "
-                "has not finished"
-            )
+            message = f"Invalid request session id: request {prev_rid!r} of session {recv.session_id} has not finished"
             return recv.input_ids, (message, 400)
         new_ids = list(recv.input_ids)
         if new_ids and self.trim_bos_id is not None and new_ids[0] == self.trim_bos_id:
@@ -123,7 +119,7 @@ class SessionController:
         outputs = prev.output_ids if max_new is None else prev.output_ids[:max_new]
         return prev.origin_input_ids + outputs + new_ids, None
 
-    def check_capacity(self, req: Req) -> Optional[str]:
+    def check_capacity(self, req: Req) -> str | None:
         """After validation: the turn must fit the session's capacity; max_new_tokens is clamped
         so prompt + outputs stay within it."""
         assert req.session_id is not None

@@ -5,11 +5,11 @@ stop strings are then measured in characters and never matched."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 
 class Tokenizer(Protocol):
-    bos_token_id: Optional[int]
+    bos_token_id: int | None
 
     def __call__(self, text: str) -> Any:
         """A BatchEncoding: `.input_ids` holds the ids, with any special tokens added."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -22,7 +21,7 @@ from meshlm.scheduler.sampling.sampler import SampleOutput, Sampler
 class GenerationBatchResult:
     logits_output: LogitsProcessorOutput
     # Rows follow batch.sampling_reqs (EXTEND) or batch.reqs (DECODE).
-    sample: Optional[SampleOutput]
+    sample: SampleOutput | None
     forward_seconds: float
 
 

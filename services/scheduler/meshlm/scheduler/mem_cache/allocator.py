@@ -19,12 +19,12 @@ keeps allocations roughly ascending (memory locality) without sorting on every f
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
-Device = Union[str, torch.device]
-IntSeq = Union[Sequence[int], torch.Tensor]
+Device = str | torch.device
+IntSeq = Sequence[int] | torch.Tensor
 
 
 class TokenToKVPoolAllocator:
@@ -54,9 +54,7 @@ class TokenToKVPoolAllocator:
     # ---- bookkeeping -----------------------------------------------------------------------
     def clear(self) -> None:
         """Mark every usable page free (pages 1..num_pages)."""
-        self._free_pages = torch.arange(
-            1, self.num_pages + 1, dtype=torch.int64, device=self.device
-        )
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
         self._release: list[torch.Tensor] = []
         self._num_release = 0
         self._in_free_group = False
@@ -130,9 +128,7 @@ class TokenToKVPoolAllocator:
         seq_cpu = torch.as_tensor(seq_lens, dtype=torch.int64).cpu()
         ext_cpu = seq_cpu - pre_cpu
         if int(ext_cpu.sum()) != extend_num_tokens or bool((ext_cpu < 0).any()):
-            raise ValueError(
-                "alloc_extend: seq_lens - prefix_lens must be >= 0 and sum to extend_num_tokens"
-            )
+            raise ValueError("alloc_extend: seq_lens - prefix_lens must be >= 0 and sum to extend_num_tokens")
         if P == 1:
             return self.alloc(extend_num_tokens)
         # Pages already touched by the prefix: ceil(pre / P); needed after: ceil(seq / P).

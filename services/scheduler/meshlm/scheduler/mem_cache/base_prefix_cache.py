@@ -15,7 +15,7 @@ is 0. Releasing a request frees exactly its own slots, so every page is freed on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -30,7 +30,7 @@ class MatchResult(NamedTuple):
     """Longest cached prefix: its KV slots (int64, page-aligned length) and its deepest node."""
 
     device_indices: torch.Tensor
-    last_device_node: "TreeNode"
+    last_device_node: TreeNode
 
 
 class BasePrefixCache(ABC):
@@ -43,10 +43,7 @@ class BasePrefixCache(ABC):
         page_size: int,
     ) -> None:
         if page_size != token_to_kv_pool_allocator.page_size:
-            raise ValueError(
-                f"page_size {page_size} != allocator page_size "
-                f"{token_to_kv_pool_allocator.page_size}"
-            )
+            raise ValueError(f"page_size {page_size} != allocator page_size {token_to_kv_pool_allocator.page_size}")
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
@@ -69,10 +66,10 @@ class BasePrefixCache(ABC):
     def evict(self, num_tokens: int) -> int: ...
 
     @abstractmethod
-    def inc_lock_ref(self, node: Optional["TreeNode"]) -> int: ...
+    def inc_lock_ref(self, node: TreeNode | None) -> int: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: Optional["TreeNode"]) -> int: ...
+    def dec_lock_ref(self, node: TreeNode | None) -> int: ...
 
     @abstractmethod
     def evictable_size(self) -> int: ...

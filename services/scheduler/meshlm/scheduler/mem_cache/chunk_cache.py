@@ -7,7 +7,7 @@ chunk the computed KV simply stays in the request's row as its prefix.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
 from meshlm.scheduler.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
@@ -52,10 +52,10 @@ class ChunkCache(BasePrefixCache):
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def inc_lock_ref(self, node: Optional[TreeNode]) -> int:
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
         return 0
 
-    def dec_lock_ref(self, node: Optional[TreeNode]) -> int:
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
         return 0
 
     def evictable_size(self) -> int:

@@ -12,16 +12,12 @@ reserved dummies: padded batch entries point at them, and they are never handed 
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
-Device = Union[str, torch.device]
+Device = str | torch.device
 
 # Float8 types are stored as raw bytes: index_put is not implemented for them on every backend.
-_FP8_DTYPES = tuple(
-    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
-)
+_FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 
 
 class ReqToTokenPool:
@@ -35,15 +31,11 @@ class ReqToTokenPool:
 
     def __init__(self, size: int, max_context_len: int, device: Device = "cpu") -> None:
         if size <= 0 or max_context_len <= 0:
-            raise ValueError(
-                f"size and max_context_len must be positive, got {size}, {max_context_len}"
-            )
+            raise ValueError(f"size and max_context_len must be positive, got {size}, {max_context_len}")
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros(
-            (size + 1, max_context_len), dtype=torch.int64, device=self.device
-        )
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int64, device=self.device)
         self._free_rows: list[int] = []
         self._in_use: list[bool] = []
         self.clear()
@@ -138,9 +130,7 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
-    def set_kv_buffer(
-        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
-    ) -> None:
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write K/V of T tokens to slots `loc` [T]; cache_k/v are [T, H, D] (or [T, H*D])."""
         cache_k = cache_k.reshape(-1, self.head_num, self.head_dim)
         cache_v = cache_v.reshape(-1, self.head_num, self.head_dim)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -28,7 +28,7 @@ from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
 from meshlm.scheduler.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from meshlm.scheduler.mem_cache.memory_pool import ReqToTokenPool
 
-ChildKey = Union[int, tuple[int, ...]]
+ChildKey = int | tuple[int, ...]
 
 
 class TreeNode:
@@ -38,18 +38,16 @@ class TreeNode:
 
     def __init__(
         self,
-        key: Optional[list[int]] = None,
-        value: Optional[torch.Tensor] = None,
-        parent: Optional[TreeNode] = None,
+        key: list[int] | None = None,
+        value: torch.Tensor | None = None,
+        parent: TreeNode | None = None,
         access_time: int = 0,
     ) -> None:
         """access_time: the owning cache's access counter when the node was made (LRU order)."""
         self.children: dict[ChildKey, TreeNode] = {}
         self.parent = parent
         self.key: list[int] = key if key is not None else []
-        self.value: torch.Tensor = (
-            value if value is not None else torch.empty(0, dtype=torch.int64)
-        )
+        self.value: torch.Tensor = value if value is not None else torch.empty(0, dtype=torch.int64)
         self.lock_ref = 0
         self.last_access_time = access_time
         self.hit_count = 0
@@ -199,9 +197,7 @@ class RadixCache(BasePrefixCache):
                 break
             node = child
         if key:
-            leaf = TreeNode(
-                key=list(key), value=value.to(self.device).clone(), parent=node, access_time=self._tick()
-            )
+            leaf = TreeNode(key=list(key), value=value.to(self.device).clone(), parent=node, access_time=self._tick())
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable_size += len(leaf.key)
             self._refresh_leaf(node)
@@ -279,7 +275,7 @@ class RadixCache(BasePrefixCache):
         req.last_node = new_last_node
 
     # ---- locking / eviction -----------------------------------------------------------------
-    def inc_lock_ref(self, node: Optional[TreeNode]) -> int:
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
         """Lock node and its ancestors; return the change in evictable size (<= 0)."""
         if self.disable or node is None:
             return 0
@@ -297,7 +293,7 @@ class RadixCache(BasePrefixCache):
             node = node.parent
         return delta
 
-    def dec_lock_ref(self, node: Optional[TreeNode]) -> int:
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
         """Undo one inc_lock_ref(node); return the change in evictable size (>= 0)."""
         if self.disable or node is None:
             return 0
@@ -376,8 +372,7 @@ class RadixCache(BasePrefixCache):
 
     def pretty_print(self) -> None:
         print(self.format_tree())
-        print(f"total={self.total_size()} evictable={self._evictable_size} "
-              f"protected={self._protected_size}")
+        print(f"total={self.total_size()} evictable={self._evictable_size} protected={self._protected_size}")
 
     def __repr__(self) -> str:
         return (

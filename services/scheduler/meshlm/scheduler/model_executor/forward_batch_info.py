@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,13 +51,13 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     seq_lens: torch.Tensor  # [B] int64 (on the device)
     req_pool_indices: torch.Tensor  # [B] int64
-    out_cache_loc: Optional[torch.Tensor]  # [T] int64; None for EMBED without KV
+    out_cache_loc: torch.Tensor | None  # [T] int64; None for EMBED without KV
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
-    req_to_token_pool: Optional["ReqToTokenPool"] = None
-    token_to_kv_pool: Optional["MHATokenToKVPool"] = None
-    attn_backend: Optional["AttentionBackend"] = None
+    req_to_token_pool: ReqToTokenPool | None = None
+    token_to_kv_pool: MHATokenToKVPool | None = None
+    attn_backend: AttentionBackend | None = None
     # Logprob requests: per request, the first position (relative to the extend start)
     # whose input logprob is wanted; len == B. Empty when no request asks for input logprobs.
     return_logprob: bool = False

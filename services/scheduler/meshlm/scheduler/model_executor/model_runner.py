@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Optional
 
 import torch
 
@@ -60,7 +59,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_has_native_bf16(flags: Optional[frozenset[str]] = None) -> bool:
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     """True on CPUs that multiply bf16 natively (AVX512-BF16 or AMX): there a bf16 GEMM runs
     several times faster than fp32. Elsewhere bf16 is emulated and slower than fp32."""
     flags = cpu_flags() if flags is None else flags
@@ -68,7 +67,7 @@ def cpu_has_native_bf16(flags: Optional[frozenset[str]] = None) -> bool:
 
 
 def resolve_dtype(
-    name: str, model: ModelConfig, device: torch.device, flags: Optional[frozenset[str]] = None
+    name: str, model: ModelConfig, device: torch.device, flags: frozenset[str] | None = None
 ) -> torch.dtype:
     """auto: on CPU bfloat16 where the CPU has native bf16 math (avx512_bf16 or amx_bf16),
     float32 elsewhere; on CUDA the checkpoint's dtype (bfloat16 when it names none)."""
@@ -98,8 +97,11 @@ class ModelRunner:
         if self.device.type == "cuda" and tp.size > 1:
             self.device = torch.device("cuda", tp.rank)  # one pod per TP group: rank r owns GPU r
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
-        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."),
-                    _dtype_reason(config.dtype, self.dtype, self.device))
+        logger.info(
+            "dtype %s (%s)",
+            str(self.dtype).removeprefix("torch."),
+            _dtype_reason(config.dtype, self.dtype, self.device),
+        )
         if config.random_seed is not None:
             torch.manual_seed(config.random_seed)
         self.load_model()
@@ -119,7 +121,10 @@ class ModelRunner:
         self.model.eval()
         logger.info(
             "loaded %s (%s, %s) in %.1fs",
-            self.model_config.architecture, self.dtype, self.device, time.perf_counter() - t0,
+            self.model_config.architecture,
+            self.dtype,
+            self.device,
+            time.perf_counter() - t0,
         )
 
     def prepare_cpu_model(self) -> None:
@@ -139,7 +144,7 @@ class ModelRunner:
                 n += 1
         logger.info("fused CPU ops (RMSNorm + residual, RoPE, SiLU*mul) in %d modules", n)
 
-    def prepack_linears(self, gemv_ops: Optional[GemvOps] = None) -> None:
+    def prepack_linears(self, gemv_ops: GemvOps | None = None) -> None:
         """Every linear layer's weight (and the LM head) into oneDNN's blocked layout
         (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
         (float32), batches of <= 4 rows stream a second copy of each weight, in the smallest
@@ -160,9 +165,13 @@ class ModelRunner:
             packed.append(logits.packed_head)
         formats = Counter(p.small.format for p in packed if p.small is not None)
         small_mib = sum(p.small.nbytes() for p in packed if p.small is not None) / (1 << 20)
-        logger.info("prepacked %d linear weights for oneDNN in %.2fs; small-batch GEMV weights: %s (%.0f MiB)",
-                    len(packed), time.perf_counter() - t0,
-                    ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none", small_mib)
+        logger.info(
+            "prepacked %d linear weights for oneDNN in %.2fs; small-batch GEMV weights: %s (%.0f MiB)",
+            len(packed),
+            time.perf_counter() - t0,
+            ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none",
+            small_mib,
+        )
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory_gb is not None:
@@ -196,7 +205,10 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, cfg.page_size, self.device)
         logger.info(
             "KV pool: %d tokens (%.2f GiB), max_running_requests=%d, page_size=%d",
-            total, total * cell / (1 << 30), max_running, cfg.page_size,
+            total,
+            total * cell / (1 << 30),
+            max_running,
+            cfg.page_size,
         )
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput | torch.Tensor:
@@ -212,5 +224,5 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def memory_report(self) -> dict[str, Optional[float]]:
+    def memory_report(self) -> dict[str, float | None]:
         return {"kv_pool_gib": self.token_to_kv_pool.mem_usage_bytes() / (1 << 30)}

@@ -7,7 +7,6 @@ weights, tokenizer); iterate_weights(dir) -> (name, tensor) pairs for a model's 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from meshlm.scheduler.model_loader.gguf import (
     convert_gguf_to_hf,
@@ -31,7 +30,7 @@ __all__ = [
 ]
 
 
-def resolve_model_path(model: Optional[str]) -> Path:
+def resolve_model_path(model: str | None) -> Path:
     """The HF-format directory for a --model value.
 
     None -> the bundled SmolLM2-135M-Instruct GGUF, converted (cached); a path to a .gguf file

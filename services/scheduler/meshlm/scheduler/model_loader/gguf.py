@@ -26,8 +26,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +166,7 @@ def _convert_into(gguf_path: Path, out_dir: Path) -> None:
 
     facts = _gguf_facts(gguf_path)
     src_dir, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
-    )
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
 
     tie = bool(facts["tie_word_embeddings"])

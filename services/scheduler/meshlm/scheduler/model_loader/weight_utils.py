@@ -14,8 +14,8 @@ one at a time, so peak memory is one tensor (safetensors) or one file (.bin).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import torch
 
@@ -53,7 +53,7 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     )
 
 
-def _count_tensors(files: list[Path]) -> Optional[int]:
+def _count_tensors(files: list[Path]) -> int | None:
     """Total tensors across safetensors files (header reads only); None if any file is a .bin."""
     from safetensors import safe_open
 
@@ -72,7 +72,7 @@ def _iterate_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict: keys() is its listing
                 yield name, f.get_tensor(name)
         return
     state = torch.load(str(path), map_location="cpu", weights_only=True)
@@ -81,9 +81,7 @@ def _iterate_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from state.items()
 
 
-def iterate_weights(
-    model_dir: str | Path, *, progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str | Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint in `model_dir`.
 
     With `progress`, a tqdm bar ("Loading weights") on stderr counts tensors (or files, for a
@@ -111,9 +109,7 @@ def iterate_weights(
                 bar.update(1)
 
 
-def default_weight_loader(
-    param: torch.nn.Parameter, loaded: torch.Tensor, *, name: Optional[str] = None
-) -> None:
+def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor, *, name: str | None = None) -> None:
     """Copy `loaded` into `param` in place, casting to the parameter's dtype and device.
 
     Raises ValueError naming the parameter (`name`, else the parameter's `weight_name`

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,12 +71,8 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         hidden = int(config["hidden_size"])
         self.word_embeddings = nn.Embedding(int(config["vocab_size"]), hidden, dtype=dtype)
-        self.position_embeddings = nn.Embedding(
-            int(config["max_position_embeddings"]), hidden, dtype=dtype
-        )
-        self.token_type_embeddings = nn.Embedding(
-            int(config.get("type_vocab_size", 2)), hidden, dtype=dtype
-        )
+        self.position_embeddings = nn.Embedding(int(config["max_position_embeddings"]), hidden, dtype=dtype)
+        self.token_type_embeddings = nn.Embedding(int(config.get("type_vocab_size", 2)), hidden, dtype=dtype)
         self.layer_norm = nn.LayerNorm(hidden, eps=float(config["layer_norm_eps"]), dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -96,9 +93,7 @@ class BertLayer(nn.Module):
         eps = float(config["layer_norm_eps"])
         act = str(config.get("hidden_act", "gelu"))
         if act not in _ACTIVATIONS:
-            raise NotImplementedError(
-                f"BERT hidden_act {act!r} (supported: {sorted(_ACTIVATIONS)})"
-            )
+            raise NotImplementedError(f"BERT hidden_act {act!r} (supported: {sorted(_ACTIVATIONS)})")
         self.act = _ACTIVATIONS[act]
         self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
         self.attn_out = nn.Linear(hidden, hidden, dtype=dtype)
@@ -107,12 +102,10 @@ class BertLayer(nn.Module):
         self.ffn_down = nn.Linear(int(config["intermediate_size"]), hidden, dtype=dtype)
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, layout: "_PaddedLayout") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: _PaddedLayout) -> torch.Tensor:
         tokens, hidden = x.shape
         q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
-        out = F.scaled_dot_product_attention(
-            layout.pad(q), layout.pad(k), layout.pad(v), attn_mask=layout.key_mask
-        )
+        out = F.scaled_dot_product_attention(layout.pad(q), layout.pad(k), layout.pad(v), attn_mask=layout.key_mask)
         x = self.attn_norm(x + self.attn_out(layout.unpad(out).reshape(tokens, hidden)))
         return self.ffn_norm(x + self.ffn_down(self.act(self.ffn_up(x))))
 
@@ -160,25 +153,19 @@ class BertModel(nn.Module):
         self.hidden_size = int(config["hidden_size"])
         self.max_position_embeddings = int(config["max_position_embeddings"])
         self.embeddings = BertEmbeddings(config, dtype)
-        self.layers = nn.ModuleList(
-            BertLayer(config, dtype) for _ in range(int(config["num_hidden_layers"]))
-        )
+        self.layers = nn.ModuleList(BertLayer(config, dtype) for _ in range(int(config["num_hidden_layers"])))
 
     @torch.no_grad()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Embeddings [B, H] (float32, unit L2 norm) of the B packed requests."""
         lens = list(forward_batch.extend_seq_lens_cpu)
         if not lens or min(lens) <= 0 or sum(lens) != input_ids.shape[0]:
             raise ValueError(
-                f"extend_seq_lens_cpu {lens} must be positive and sum to the "
-                f"{input_ids.shape[0]} packed tokens"
+                f"extend_seq_lens_cpu {lens} must be positive and sum to the {input_ids.shape[0]} packed tokens"
             )
         if max(lens) > self.max_position_embeddings:
             raise ValueError(
-                f"a request has {max(lens)} tokens; this BERT model takes at most "
-                f"{self.max_position_embeddings}"
+                f"a request has {max(lens)} tokens; this BERT model takes at most {self.max_position_embeddings}"
             )
         layout = _PaddedLayout(lens, input_ids.device)
         x = self.embeddings(input_ids, positions)
@@ -199,7 +186,7 @@ class BertModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int]] = set()
         for hf_name, tensor in weights:
-            name = hf_name[len("bert."):] if hf_name.startswith("bert.") else hf_name
+            name = hf_name[len("bert.") :] if hf_name.startswith("bert.") else hf_name
             name = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", name))
             if _SKIP.match(name):
                 continue
@@ -219,10 +206,7 @@ class BertModel(nn.Module):
                 )
             dest.copy_(tensor.to(dtype=dest.dtype))
             loaded.add((target, -1 if shard is None else shard))
-        missing = [
-            n for n in params
-            if not ((n, -1) in loaded or all((n, s) in loaded for s in range(3)))
-        ]
+        missing = [n for n in params if not ((n, -1) in loaded or all((n, s) in loaded for s in range(3)))]
         if missing:
             raise ValueError(f"BERT checkpoint lacks weights for {missing}")
         return set(params)
@@ -244,4 +228,3 @@ class BertModel(nn.Module):
         if module in _LAYER_MAP:
             return f"layers.{index}.{_LAYER_MAP[module]}.{leaf}", None
         return name, None
-

@@ -6,7 +6,7 @@ each checkpoint name onto (merged parameter, shard id).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ _STACKED = (
 )
 
 
-def _rope_scaling(hf: dict) -> Optional[dict]:
+def _rope_scaling(hf: dict) -> dict | None:
     """rope_scaling (transformers 4) or a non-default rope_parameters (transformers 5)."""
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
@@ -84,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, rope: RopeBatch, x: torch.Tensor, fb: ForwardBatch, residual: Optional[torch.Tensor]
+        self, rope: RopeBatch, x: torch.Tensor, fb: ForwardBatch, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -99,13 +99,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TpGroup, dtype: torch.dtype, bias: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, tp, dtype, bias) for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, bias) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # One RoPE table for all layers, looked up once per forward.
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.context_len, cfg.rope_theta, _rope_scaling(cfg.hf))
-        self.cpu_ops: Optional[CpuOps] = None  # fused RoPE on CPU (set by ModelRunner)
+        self.cpu_ops: CpuOps | None = None  # fused RoPE on CPU (set by ModelRunner)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

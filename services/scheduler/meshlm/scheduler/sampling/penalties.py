@@ -32,7 +32,8 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -59,8 +60,8 @@ class BatchedPenalizer:
         self.frequency: list[float] = []
         self.presence: list[float] = []
         self.repetition: list[float] = []
-        self.counts: Optional[torch.Tensor] = None
-        self.seen: Optional[torch.Tensor] = None
+        self.counts: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
         empty_i = torch.empty(0, dtype=torch.int64, device=self.device)
         self.bias_rows, self.bias_cols = empty_i, empty_i
         self.bias_vals = torch.empty(0, dtype=torch.float32, device=self.device)
@@ -70,9 +71,7 @@ class BatchedPenalizer:
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
-    def from_reqs(
-        cls, reqs: Sequence[Any], vocab_size: int, device: torch.device | str
-    ) -> BatchedPenalizer:
+    def from_reqs(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device | str) -> BatchedPenalizer:
         """Build from requests (sampling_params, output_ids, origin_input_ids, stop_token_ids)."""
         pen = cls(vocab_size, device)
         dev = pen.device
@@ -162,10 +161,7 @@ class BatchedPenalizer:
     def is_active(self) -> bool:
         """Whether apply() changes anything for this batch."""
         return (
-            self.counts is not None
-            or self.seen is not None
-            or self.bias_rows.numel() > 0
-            or self.stop_rows.numel() > 0
+            self.counts is not None or self.seen is not None or self.bias_rows.numel() > 0 or self.stop_rows.numel() > 0
         )
 
     # ---- per step ----------------------------------------------------------------------
@@ -187,9 +183,7 @@ class BatchedPenalizer:
         if self.stop_rows.numel():
             rows, cols = self.stop_rows, self.stop_cols
             cur = logits[rows, cols]
-            logits[rows, cols] = torch.where(
-                self.stop_left > 0, torch.full_like(cur, float("-inf")), cur
-            )
+            logits[rows, cols] = torch.where(self.stop_left > 0, torch.full_like(cur, float("-inf")), cur)
 
     def cumulate_output_tokens(self, next_token_ids: torch.Tensor) -> None:
         """Record one generated token per row (next_token_ids: [B] int64)."""
@@ -232,9 +226,7 @@ class BatchedPenalizer:
     def merge(self, other: BatchedPenalizer) -> None:
         """Append other's rows after this batch's rows (other is left unusable)."""
         if other.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"cannot merge batches with vocab sizes {self.vocab_size} and {other.vocab_size}"
-            )
+            raise ValueError(f"cannot merge batches with vocab sizes {self.vocab_size} and {other.vocab_size}")
         b, ob = self.batch_size, other.batch_size
         self.counts = self._cat_dense(self.counts, other.counts, b, ob, torch.float32)
         self.seen = self._cat_dense(self.seen, other.seen, b, ob, torch.bool)
@@ -252,12 +244,12 @@ class BatchedPenalizer:
 
     def _cat_dense(
         self,
-        a: Optional[torch.Tensor],
-        b: Optional[torch.Tensor],
+        a: torch.Tensor | None,
+        b: torch.Tensor | None,
         na: int,
         nb: int,
         dtype: torch.dtype,
-    ) -> Optional[torch.Tensor]:
+    ) -> torch.Tensor | None:
         if a is None and b is None:
             return None
         shape_a, shape_b = (na, self.vocab_size), (nb, self.vocab_size)

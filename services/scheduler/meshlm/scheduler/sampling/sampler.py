@@ -21,8 +21,8 @@ sampled in one vectorized call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -40,18 +40,18 @@ class SampleOutput:
     """Result of one sampling step for B requests."""
 
     next_token_ids: torch.Tensor  # [B] int64
-    next_token_logprobs: Optional[torch.Tensor] = None  # [B] float32, logprob of the token
-    top_logprobs: Optional[list[TopList]] = None  # per row: top-k (logprob, id), descending
-    token_ids_logprobs: Optional[list[Optional[TopList]]] = None  # per row: (logprob, id)
+    next_token_logprobs: torch.Tensor | None = None  # [B] float32, logprob of the token
+    top_logprobs: list[TopList] | None = None  # per row: top-k (logprob, id), descending
+    token_ids_logprobs: list[TopList | None] | None = None  # per row: (logprob, id)
 
 
 @dataclass
 class LogprobOutput:
     """Result of compute_logprobs for N rows."""
 
-    token_logprobs: Optional[torch.Tensor]  # [N] float32; None when no targets were given
-    top_logprobs: Optional[list[TopList]]
-    token_ids_logprobs: Optional[list[Optional[TopList]]]
+    token_logprobs: torch.Tensor | None  # [N] float32; None when no targets were given
+    top_logprobs: list[TopList] | None
+    token_ids_logprobs: list[TopList | None] | None
 
 
 def _splitmix64(x: int) -> int:
@@ -68,10 +68,10 @@ def step_seed(seed: int, position: int) -> int:
 
 def compute_logprobs(
     logits: torch.Tensor,
-    target_ids: Optional[torch.Tensor],
-    top_logprobs_nums: Optional[Sequence[int]] = None,
-    token_ids_logprobs: Optional[Sequence[Optional[Sequence[int]]]] = None,
-    temperatures: Optional[torch.Tensor] = None,
+    target_ids: torch.Tensor | None,
+    top_logprobs_nums: Sequence[int] | None = None,
+    token_ids_logprobs: Sequence[Sequence[int] | None] | None = None,
+    temperatures: torch.Tensor | None = None,
 ) -> LogprobOutput:
     """Logprobs of logits [N, V] (divided by temperatures [N, 1] when given).
 
@@ -83,20 +83,18 @@ def compute_logprobs(
     if temperatures is not None:
         x = x / temperatures
     logprobs = torch.log_softmax(x, dim=-1)
-    token_lp: Optional[torch.Tensor] = None
+    token_lp: torch.Tensor | None = None
     if target_ids is not None:
         token_lp = logprobs.gather(1, target_ids.view(-1, 1).to(torch.int64)).view(-1)
-    tops: Optional[list[TopList]] = None
+    tops: list[TopList] | None = None
     if top_logprobs_nums is not None:
         kmax = min(max(top_logprobs_nums, default=0), logprobs.shape[-1])
         tops = [[] for _ in top_logprobs_nums]
         if kmax > 0:
             vals, ids = logprobs.topk(kmax, dim=-1)
             vals_l, ids_l = vals.tolist(), ids.tolist()
-            tops = [
-                list(zip(vals_l[i][:k], ids_l[i][:k])) for i, k in enumerate(top_logprobs_nums)
-            ]
-    by_ids: Optional[list[Optional[TopList]]] = None
+            tops = [list(zip(vals_l[i][:k], ids_l[i][:k])) for i, k in enumerate(top_logprobs_nums)]
+    by_ids: list[TopList | None] | None = None
     if token_ids_logprobs is not None:
         by_ids = []
         for i, ids_i in enumerate(token_ids_logprobs):
@@ -108,7 +106,7 @@ def compute_logprobs(
     return LogprobOutput(token_lp, tops, by_ids)
 
 
-def _rows(idx: list[int], batch_size: int, device: torch.device) -> Optional[torch.Tensor]:
+def _rows(idx: list[int], batch_size: int, device: torch.device) -> torch.Tensor | None:
     """Index tensor for a subset of rows, or None when the subset is every row."""
     if len(idx) == batch_size:
         return None
@@ -198,10 +196,10 @@ class Sampler:
         logits: torch.Tensor,
         info: SamplingBatchInfo,
         *,
-        positions: Optional[Sequence[int]] = None,
+        positions: Sequence[int] | None = None,
         return_logprob: bool = False,
-        top_logprobs_nums: Optional[Sequence[int]] = None,
-        token_ids_logprobs: Optional[Sequence[Optional[Sequence[int]]]] = None,
+        top_logprobs_nums: Sequence[int] | None = None,
+        token_ids_logprobs: Sequence[Sequence[int] | None] | None = None,
     ) -> SampleOutput:
         """Sample one token per row of logits [B, V] float32 (modified in place by step 1).
 
@@ -209,10 +207,7 @@ class Sampler:
         """
         info.apply_logits_bias(logits)
         scaled = logits if info.all_temperatures_one else logits / info.temperatures
-        if info.is_all_greedy:
-            next_ids = logits.argmax(dim=-1)
-        else:
-            next_ids = self._sample(logits, scaled, info, positions)
+        next_ids = logits.argmax(dim=-1) if info.is_all_greedy else self._sample(logits, scaled, info, positions)
         if not return_logprob:
             return SampleOutput(next_ids)
         lp = compute_logprobs(scaled, next_ids, top_logprobs_nums, token_ids_logprobs)
@@ -225,7 +220,7 @@ class Sampler:
         logits: torch.Tensor,
         scaled: torch.Tensor,
         info: SamplingBatchInfo,
-        positions: Optional[Sequence[int]],
+        positions: Sequence[int] | None,
     ) -> torch.Tensor:
         """Sample every row from softmax(scaled) after filtering; greedy rows take argmax."""
         probs = torch.softmax(scaled, dim=-1)

@@ -15,7 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class SamplingBatchInfo:
         top_ps: Sequence[float],
         top_ks: Sequence[int],
         min_ps: Sequence[float],
-        seeds: Sequence[Optional[int]],
+        seeds: Sequence[int | None],
         penalizer: BatchedPenalizer,
         vocab_size: int,
         device: torch.device | str,
@@ -45,7 +46,7 @@ class SamplingBatchInfo:
         self.top_ps_cpu = [float(p) for p in top_ps]
         self.top_ks_cpu = [max(1, min(int(k), vocab_size)) for k in top_ks]
         self.min_ps_cpu = [float(m) for m in min_ps]
-        self.seeds: list[Optional[int]] = list(seeds)
+        self.seeds: list[int | None] = list(seeds)
         self.penalizer = penalizer
         dev = self.device
         self.temperatures = torch.tensor(self.temperatures_cpu, dtype=torch.float32, device=dev)
@@ -56,9 +57,7 @@ class SamplingBatchInfo:
         self._refresh_flags()
 
     @classmethod
-    def from_reqs(
-        cls, reqs: Sequence[Any], vocab_size: int, device: torch.device | str
-    ) -> SamplingBatchInfo:
+    def from_reqs(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device | str) -> SamplingBatchInfo:
         """Build from requests whose sampling_params have been normalized."""
         params = [r.sampling_params for r in reqs]
         return cls(
@@ -116,9 +115,7 @@ class SamplingBatchInfo:
     def merge_batch(self, other: SamplingBatchInfo) -> None:
         """Append other's rows after this batch's rows (other is left unusable)."""
         if other.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"cannot merge batches with vocab sizes {self.vocab_size} and {other.vocab_size}"
-            )
+            raise ValueError(f"cannot merge batches with vocab sizes {self.vocab_size} and {other.vocab_size}")
         self.temperatures_cpu += other.temperatures_cpu
         self.top_ps_cpu += other.top_ps_cpu
         self.top_ks_cpu += other.top_ks_cpu

@@ -16,7 +16,7 @@ naming the field, the allowed range and the given value), then
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union
+from typing import Any
 
 from meshlm.common.sampling_rules import DEFAULT_MAX_NEW_TOKENS, RANGES, check_sampling_params
 
@@ -51,7 +51,7 @@ class SamplingParams:
     means "up to the context length" (the scheduler caps it).
     """
 
-    max_new_tokens: Optional[int] = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,20 +60,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
-    logit_bias: Optional[dict[str, float]] = None
-    sampling_seed: Optional[int] = None
-    stream_interval: Optional[int] = None
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-    custom_params: Optional[dict[str, Any]] = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    stream_interval: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    custom_params: dict[str, Any] | None = None
 
     # Derived by normalize(); not accepted by from_dict.
     stop_strs: list[str] = field(default_factory=list, init=False)
@@ -141,4 +141,3 @@ class SamplingParams:
         if not self.logit_bias:
             return {}
         return {int(k): float(v) for k, v in self.logit_bias.items()}
-

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, Mapping, Optional, Sequence
+from typing import ClassVar
 
 from meshlm.common.addresses import parse_addresses
 from meshlm.common.flags import Flag
@@ -36,25 +37,20 @@ class SchedulerServiceConfig(GrpcServiceConfig):
             **GrpcServiceConfig.FLAGS,
             "scheduler_id": Flag("this scheduler's id; unset = <hostname>-<port>"),
             "detokenizer_addrs": Flag(
-                "comma-separated host:port list of detokenizers (names are re-resolved: "
-                "headless services)"
+                "comma-separated host:port list of detokenizers (names are re-resolved: headless services)"
             ),
             "decode_addrs": Flag(
                 "with --disaggregation-mode prefill: comma-separated host:port list of decode "
                 "schedulers to hand prefilled requests to (names are re-resolved: headless "
                 "services)"
             ),
-            "load_report_interval_s": Flag(
-                "SchedulerLoad period on Connect streams while busy; idle 4x"
-            ),
-            "detokenizer_timeout_s": Flag(
-                "fail requests whose outputs found no detokenizer for this long"
-            ),
+            "load_report_interval_s": Flag("SchedulerLoad period on Connect streams while busy; idle 4x"),
+            "detokenizer_timeout_s": Flag("fail requests whose outputs found no detokenizer for this long"),
         }
     )
 
     port: int = DEFAULT_PORT
-    scheduler_id: Optional[str] = None  # default <hostname>-<port>
+    scheduler_id: str | None = None  # default <hostname>-<port>
     detokenizer_addrs: tuple[str, ...] = ()  # host:port list; headless-service names re-resolved
     decode_addrs: tuple[str, ...] = ()  # prefill role: decode schedulers (host:port, re-resolved)
     load_report_interval_s: float = 0.5  # SchedulerLoad on Connect streams while busy (idle: 4x)
@@ -73,12 +69,12 @@ class SchedulerServiceConfig(GrpcServiceConfig):
             f"detokenizer_timeout_s must be > 0, got {self.detokenizer_timeout_s}",
         )
 
-    def resolved_scheduler_id(self, port: Optional[int] = None) -> str:
+    def resolved_scheduler_id(self, port: int | None = None) -> str:
         return self.scheduler_id or f"{socket.gethostname()}-{self.port if port is None else port}"
 
 
 def build_parser(
-    prog: str = "meshlm serve scheduler", environ: Optional[Mapping[str, str]] = None
+    prog: str = "meshlm serve scheduler", environ: Mapping[str, str] | None = None
 ) -> argparse.ArgumentParser:
     """The service's flags and the engine's, every one defaulting to MESHLM_SCHEDULER_<FLAG>."""
     parser = argparse.ArgumentParser(
@@ -91,7 +87,7 @@ def build_parser(
 
 
 def parse_args(
-    argv: Optional[Sequence[str]] = None,
+    argv: Sequence[str] | None = None,
 ) -> tuple[SchedulerServiceConfig, SchedulerConfig]:
     ns = build_parser().parse_args(argv)
     try:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
 
 from meshlm.v1 import scheduler_pb2
 
@@ -22,7 +22,7 @@ class Closed:
 
 
 CLOSED = Closed()
-Outgoing = Union[scheduler_pb2.SchedulerOutput, Closed]
+Outgoing = scheduler_pb2.SchedulerOutput | Closed
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Connection:
 
     id: int
     origin: str
-    out: "asyncio.Queue[Outgoing]" = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
     rids: set[str] = field(default_factory=set)
     kv_parts: dict[str, bytearray] = field(default_factory=dict)
 
@@ -57,10 +57,10 @@ class ConnectionRegistry:
     def remove(self, conn: Connection) -> None:
         self._conns.pop(conn.id, None)
 
-    def get(self, conn_id: Optional[int]) -> Optional[Connection]:
+    def get(self, conn_id: int | None) -> Connection | None:
         return self._conns.get(conn_id) if conn_id is not None else None
 
-    def release(self, conn_id: int, rid: str) -> Optional[Connection]:
+    def release(self, conn_id: int, rid: str) -> Connection | None:
         """rid is done as far as its stream is concerned; that stream, if still open."""
         conn = self._conns.get(conn_id)
         if conn is not None:

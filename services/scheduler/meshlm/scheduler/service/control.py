@@ -13,8 +13,9 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from meshlm.scheduler.managers.io_struct import (
     CloseSessionOutput,
@@ -40,12 +41,12 @@ class CallKind(enum.Enum):
 
 @dataclass(frozen=True)
 class PendingCall:
-    conn_id: Optional[int]  # None: the service's own (periodic load)
+    conn_id: int | None  # None: the service's own (periodic load)
     call_id: int  # the caller's
     kind: CallKind
 
 
-def loop_request(kind: CallKind, msg: Optional[scheduler_pb2.SchedulerInput], internal_id: int) -> Any:
+def loop_request(kind: CallKind, msg: scheduler_pb2.SchedulerInput | None, internal_id: int) -> Any:
     """The loop's io_struct request for a control call of `kind` (msg: the peer's message; the
     session calls need it, the service's own get_load has none)."""
     if kind is CallKind.FLUSH_CACHE:
@@ -58,7 +59,7 @@ def loop_request(kind: CallKind, msg: Optional[scheduler_pb2.SchedulerInput], in
     return wire.close_session_from_proto(msg.close_session, internal_id)
 
 
-def failed_reply(kind: CallKind, message: str, last_load: Optional[LoadReport]) -> Any:
+def failed_reply(kind: CallKind, message: str, last_load: LoadReport | None) -> Any:
     """What a call the loop cannot answer gets (None: nothing to say, get_load before any report)."""
     if kind is CallKind.FLUSH_CACHE:
         return FlushCacheOutput(False, message)
@@ -72,23 +73,22 @@ def failed_reply(kind: CallKind, message: str, last_load: Optional[LoadReport]) 
 class ControlCalls:
     """The control calls sent to the loop and not answered yet."""
 
-    def __init__(
-        self, put: Callable[[Any], None], connections: ConnectionRegistry, scheduler_id: str
-    ) -> None:
+    def __init__(self, put: Callable[[Any], None], connections: ConnectionRegistry, scheduler_id: str) -> None:
         self._put = put
         self._connections = connections
         self._scheduler_id = scheduler_id
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
 
-    def issue(self, conn: Optional[Connection], call_id: int, kind: CallKind,
-              msg: Optional[scheduler_pb2.SchedulerInput] = None) -> None:
+    def issue(
+        self, conn: Connection | None, call_id: int, kind: CallKind, msg: scheduler_pb2.SchedulerInput | None = None
+    ) -> None:
         """Send the call to the loop; its reply goes to conn (None: the service) under call_id."""
         internal = next(self._ids)
         self._pending[internal] = PendingCall(conn.id if conn is not None else None, call_id, kind)
         self._put(loop_request(kind, msg, internal))
 
-    def resolve(self, msg: Any) -> Optional[PendingCall]:
+    def resolve(self, msg: Any) -> PendingCall | None:
         """The call a loop reply answers (it is no longer pending), or None."""
         call = self._pending.pop(getattr(msg, "call_id", 0), None)
         if call is None:
@@ -100,14 +100,15 @@ class ControlCalls:
         if conn is not None:
             conn.send(wire.control_reply(call.call_id, msg, self._scheduler_id))
 
-    def refuse(self, conn: Connection, call_id: int, kind: CallKind, message: str,
-               last_load: Optional[LoadReport]) -> None:
+    def refuse(
+        self, conn: Connection, call_id: int, kind: CallKind, message: str, last_load: LoadReport | None
+    ) -> None:
         """Answer a call the loop cannot answer (it crashed)."""
         out = failed_reply(kind, message, last_load)
         if out is not None:
             conn.send(wire.control_reply(call_id, out, self._scheduler_id))
 
-    def fail_all(self, message: str, last_load: Optional[LoadReport]) -> None:
+    def fail_all(self, message: str, last_load: LoadReport | None) -> None:
         """The loop crashed: answer every pending call with a failure."""
         pending, self._pending = self._pending, {}
         for call in pending.values():

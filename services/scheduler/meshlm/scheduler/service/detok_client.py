@@ -21,9 +21,10 @@ import enum
 import logging
 import time
 import zlib
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
+
 from meshlm.common import addresses
 from meshlm.common.addresses import Resolver
 from meshlm.common.channels import Dialer
@@ -54,26 +55,24 @@ class DetokenizerPushClient(PeerStream):
         connect_timeout_s: float = 2.0,
         write_timeout_s: float = 10.0,
         resolver: Resolver = addresses.resolve,
-        tls: Optional[TlsConfig] = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         """tls: the Push channels use TLS (mTLS with a CA) when enabled; an endpoint resolved
         from a DNS name is verified against that name."""
-        super().__init__(
-            scheduler_id, "detokenizer", Dialer(tls, resolver), connect_timeout_s=connect_timeout_s
-        )
+        super().__init__(scheduler_id, "detokenizer", Dialer(tls, resolver), connect_timeout_s=connect_timeout_s)
         self.scheduler_id = scheduler_id
         self.addrs = list(addrs)
         self.tracker = tracker
         self.on_unavailable = on_unavailable
         self.fail_after_s = fail_after_s
         self.write_timeout_s = write_timeout_s
-        self.current: Optional[str] = None  # the detokenizer of the last stream that came up
-        self.down_since: Optional[float] = time.monotonic()
+        self.current: str | None = None  # the detokenizer of the last stream that came up
+        self.down_since: float | None = time.monotonic()
         self.failovers = 0
-        self._queue: "asyncio.Queue[detokenizer_pb2.DetokenizerInput]" = asyncio.Queue()
+        self._queue: asyncio.Queue[detokenizer_pb2.DetokenizerInput] = asyncio.Queue()
         self._pending: dict[str, float] = {}  # rid -> when its output became undeliverable
         self._index = zlib.crc32(scheduler_id.encode())  # spread schedulers over detokenizers
-        self._watchdog_task: Optional[asyncio.Task[None]] = None
+        self._watchdog_task: asyncio.Task[None] | None = None
 
     @property
     def state(self) -> State:
@@ -113,7 +112,7 @@ class DetokenizerPushClient(PeerStream):
         await super().close()
 
     # ---- the stream ---------------------------------------------------------------------
-    async def next_endpoint(self) -> Optional[str]:
+    async def next_endpoint(self) -> str | None:
         """Fail-over: each dial takes the next endpoint of the re-resolved list."""
         candidates = await self.dialer.resolve(self.addrs)
         if not candidates:
@@ -145,9 +144,7 @@ class DetokenizerPushClient(PeerStream):
             self._pending.clear()  # everything they were waiting for has been re-sent
             self.down_since = None
             if snapshot:
-                logger.info(
-                    "detokenizer %s: resynced %d requests", endpoint, self.tracker.num_emitted()
-                )
+                logger.info("detokenizer %s: resynced %d requests", endpoint, self.tracker.num_emitted())
             await self._write_queue(call)
         except asyncio.CancelledError:
             if self.connected:
@@ -220,6 +217,8 @@ class DetokenizerPushClient(PeerStream):
             if expired:
                 logger.error(
                     "no detokenizer reachable for %.0fs (%s): failing %d requests",
-                    self.fail_after_s, ",".join(self.addrs), len(expired),
+                    self.fail_after_s,
+                    ",".join(self.addrs),
+                    len(expired),
                 )
                 self.on_unavailable(expired)

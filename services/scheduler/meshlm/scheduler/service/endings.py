@@ -13,7 +13,8 @@ by the service's asyncio loop.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from meshlm.scheduler.managers.io_struct import AbortReq
 from meshlm.scheduler.service import wire
@@ -34,7 +35,7 @@ class RequestEnds:
         put: Callable[[Any], None],
         tracker: RequestTracker,
         connections: ConnectionRegistry,
-        downstream: Optional[Downstream] = None,
+        downstream: Downstream | None = None,
     ) -> None:
         self._put = put
         self._tracker = tracker

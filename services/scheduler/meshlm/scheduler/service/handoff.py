@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Callable, Optional, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
+
 from meshlm.common import addresses
 from meshlm.common.addresses import Resolver
 from meshlm.common.channels import Dialer
@@ -50,12 +51,15 @@ class DecodeLink(PeerStream):
         on_lost: LostCallback,
     ) -> None:
         super().__init__(
-            f"prefill/{scheduler_id}", "decode scheduler", dialer, endpoint=endpoint,
+            f"prefill/{scheduler_id}",
+            "decode scheduler",
+            dialer,
+            endpoint=endpoint,
             connect_timeout_s=connect_timeout_s,
         )
         self.queue: asyncio.Queue[scheduler_pb2.SchedulerInput] = asyncio.Queue()
         self.rids: set[str] = set()
-        self.load: Optional[common_pb2.SchedulerLoad] = None
+        self.load: common_pb2.SchedulerLoad | None = None
         self._on_output = on_output
         self._on_lost = on_lost
 
@@ -107,7 +111,7 @@ class DecodeHandoffClient:
         on_error: ErrorCallback,
         on_lost: LostCallback,
         on_done: DoneCallback,
-        tls: Optional[TlsConfig] = None,
+        tls: TlsConfig | None = None,
         resolver: Resolver = addresses.resolve,
         connect_timeout_s: float = 2.0,
     ) -> None:
@@ -121,8 +125,12 @@ class DecodeHandoffClient:
 
     def _link(self, endpoint: str) -> DecodeLink:
         return DecodeLink(
-            endpoint, self.scheduler_id, self.dialer, self.connect_timeout_s,
-            self._on_output, self.on_lost,
+            endpoint,
+            self.scheduler_id,
+            self.dialer,
+            self.connect_timeout_s,
+            self._on_output,
+            self.on_lost,
         )
 
     @property
@@ -144,9 +152,7 @@ class DecodeHandoffClient:
         self._peers.peers = []
 
     # ---- requests -----------------------------------------------------------------------
-    def hand_over(
-        self, msg: PrefilledReq, origin: str, trace: Optional[common_pb2.TraceContext]
-    ) -> Optional[str]:
+    def hand_over(self, msg: PrefilledReq, origin: str, trace: common_pb2.TraceContext | None) -> str | None:
         """Queue msg on the least busy up link; its endpoint, or None when no link is up."""
         up = self._peers.up()
         if not up:
@@ -174,7 +180,7 @@ class DecodeHandoffClient:
             link.rids.difference_update(done)
             if done:
                 self.on_done(done)
-        elif kind == "error":
+        elif kind == "error":  # noqa: SIM102 - an error for a rid not ours is dropped, not read as another kind
             if out.error.rid in link.rids:
                 link.rids.discard(out.error.rid)
                 self.on_error(out.error.rid, out.error.reason)

@@ -7,8 +7,6 @@ with the request, its first token, its logprobs and the KV's layout.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from meshlm.scheduler.managers.io_struct import LogprobDelta, PrefilledReq
@@ -20,7 +18,7 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float
 
 
 def prefilled_to_proto(
-    msg: PrefilledReq, origin: str, trace: Optional[common_pb2.TraceContext]
+    msg: PrefilledReq, origin: str, trace: common_pb2.TraceContext | None
 ) -> list[scheduler_pb2.SchedulerInput]:
     """The SchedulerInput messages that carry msg: KV chunks, then the request."""
     kv = msg.kv.contiguous()

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from meshlm.scheduler.service.connections import ConnectionRegistry
 from meshlm.scheduler.service.detok_client import DetokenizerPushClient
@@ -26,7 +25,7 @@ class ServiceState:
     """draining: refusing new requests. crashed: the loop died (the message every request gets)."""
 
     draining: bool = False
-    crashed: Optional[str] = None
+    crashed: str | None = None
 
 
 async def drain(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional
 
 from meshlm.scheduler.managers.io_struct import LoadReport
 from meshlm.scheduler.service import wire
@@ -37,12 +36,12 @@ class LoadReporter:
         connections: ConnectionRegistry,
         tracker: RequestTracker,
         state: ServiceState,
-        metrics: Optional[SchedulerMetrics] = None,
+        metrics: SchedulerMetrics | None = None,
         interval_s: float = 0.5,
     ) -> None:
         self.scheduler_id = scheduler_id
         self.interval_s = interval_s
-        self.last: Optional[LoadReport] = None
+        self.last: LoadReport | None = None
         self._calls = calls
         self._connections = connections
         self._tracker = tracker
@@ -50,7 +49,7 @@ class LoadReporter:
         self._metrics = metrics
         self._last_broadcast = 0.0
 
-    def request(self, conn: Optional[Connection]) -> None:
+    def request(self, conn: Connection | None) -> None:
         """Ask the loop for its load, for conn (None: every stream)."""
         self._calls.issue(conn, 0, CallKind.GET_LOAD)
 
@@ -62,15 +61,11 @@ class LoadReporter:
 
     def broadcast(self, report: LoadReport) -> None:
         self._last_broadcast = time.monotonic()
-        self._connections.broadcast(
-            scheduler_pb2.SchedulerOutput(load=wire.load_to_proto(report, self.scheduler_id))
-        )
+        self._connections.broadcast(scheduler_pb2.SchedulerOutput(load=wire.load_to_proto(report, self.scheduler_id)))
 
     def _busy(self) -> bool:
         last = self.last
-        return self._tracker.num_live() > 0 or (
-            last is not None and bool(last.num_running_reqs or last.num_queue_reqs)
-        )
+        return self._tracker.num_live() > 0 or (last is not None and bool(last.num_running_reqs or last.num_queue_reqs))
 
     async def run(self) -> None:
         """The periodic report (a task of the servicer)."""

@@ -8,13 +8,12 @@ engine records on each request (io_struct.ReqTimes), so the loop thread does no 
 
 from __future__ import annotations
 
-from typing import Optional
+from opentelemetry.trace import Status, StatusCode
 
 from meshlm.common import telemetry
 from meshlm.common.metrics import Metrics
 from meshlm.scheduler.managers.io_struct import LoadReport
 from meshlm.scheduler.service.tracker import TrackedRequest
-from opentelemetry.trace import Status, StatusCode
 
 
 def _ns(t: float) -> int:
@@ -49,7 +48,7 @@ class SchedulerMetrics:
 class RequestObserver:
     """Counts tokens and emits phase spans as a request's outputs go by."""
 
-    def __init__(self, metrics: Optional[SchedulerMetrics], scheduler_id: str) -> None:
+    def __init__(self, metrics: SchedulerMetrics | None, scheduler_id: str) -> None:
         self.metrics = metrics
         self.scheduler_id = scheduler_id
 

@@ -14,7 +14,7 @@ handover_done tells the prefill scheduler on that stream. Owned by the service's
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from meshlm.common.tls import TlsConfig
 from meshlm.scheduler.managers.io_struct import PrefilledReq
@@ -37,14 +37,18 @@ class PrefillHandover:
         *,
         tracker: RequestTracker,
         ends: RequestEnds,
-        tls: Optional[TlsConfig] = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.scheduler_id = scheduler_id
         self._tracker = tracker
         self._ends = ends
         self.client = DecodeHandoffClient(
-            scheduler_id, decode_addrs,
-            on_error=ends.reject, on_lost=self._lost, on_done=ends.forget, tls=tls,
+            scheduler_id,
+            decode_addrs,
+            on_error=ends.reject,
+            on_lost=self._lost,
+            on_done=ends.forget,
+            tls=tls,
         )
 
     # ---- life cycle ---------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from meshlm.common import telemetry
 from meshlm.common.grpc_server import GrpcServer
@@ -72,25 +72,21 @@ class SchedulerServer:
         self.scheduler_id = ""
         self.metrics = Metrics()
         self.tracker = RequestTracker()
-        self.runtime: Optional[SchedulerRuntime] = None
-        self.servicer: Optional[SchedulerServicer] = None
-        self.detok: Optional[DetokenizerPushClient] = None
-        self.handover: Optional[PrefillHandover] = None
-        self._ready_task: Optional[asyncio.Task] = None
-        self.grpc: Optional[GrpcServer] = None
+        self.runtime: SchedulerRuntime | None = None
+        self.servicer: SchedulerServicer | None = None
+        self.detok: DetokenizerPushClient | None = None
+        self.handover: PrefillHandover | None = None
+        self._ready_task: asyncio.Task | None = None
+        self.grpc: GrpcServer | None = None
         self._closed = False
 
     async def start(self) -> int:
         """Load the model, start the loop, the Push client and gRPC; returns the bound port."""
         svc = self.svc
         # The model loads in a worker thread so the event loop stays responsive.
-        runtime = await asyncio.to_thread(
-            SchedulerRuntime, self.engine_config, self._on_output, self._on_control
-        )
+        runtime = await asyncio.to_thread(SchedulerRuntime, self.engine_config, self._on_output, self._on_control)
         self.runtime = runtime
-        self.grpc = GrpcServer(
-            [SERVICE_NAME], svc.host, svc.port, tls=svc.tls, health_port=svc.health_port
-        )
+        self.grpc = GrpcServer([SERVICE_NAME], svc.host, svc.port, tls=svc.tls, health_port=svc.health_port)
         self.port = self.grpc.bind()
         self.scheduler_id = svc.resolved_scheduler_id(self.port)
         self.servicer = self._build_servicer(runtime)
@@ -109,8 +105,11 @@ class SchedulerServer:
         self.metrics.serve(svc.metrics_port)
         logger.info(
             "scheduler %s serving on port %d (model %s, KV %d tokens, role %s, detokenizers %s%s)",
-            self.scheduler_id, self.port, runtime.config.model_path,
-            runtime.scheduler.max_total_num_tokens, self.engine_config.disaggregation_mode,
+            self.scheduler_id,
+            self.port,
+            runtime.config.model_path,
+            runtime.scheduler.max_total_num_tokens,
+            self.engine_config.disaggregation_mode,
             ",".join(svc.detokenizer_addrs) or "-",
             f", decode schedulers {','.join(svc.decode_addrs)}" if self.handover else "",
         )
@@ -124,24 +123,41 @@ class SchedulerServer:
         if self.engine_config.disaggregation_mode == "prefill":
             # The prefill side's own failures have nothing left to abort downstream.
             local_ends = RequestEnds(put, self.tracker, connections)
-            self.handover = PrefillHandover(
-                sid, svc.decode_addrs, tracker=self.tracker, ends=local_ends, tls=svc.tls
-            )
+            self.handover = PrefillHandover(sid, svc.decode_addrs, tracker=self.tracker, ends=local_ends, tls=svc.tls)
         ends = RequestEnds(put, self.tracker, connections, downstream=self.handover)
         unavailable = f"scheduler {sid}: no detokenizer reachable"
         self.detok = DetokenizerPushClient(
-            sid, svc.detokenizer_addrs, self.tracker, lambda rids: ends.fail_rids(rids, unavailable, 503),
-            fail_after_s=svc.detokenizer_timeout_s, tls=svc.tls,
+            sid,
+            svc.detokenizer_addrs,
+            self.tracker,
+            lambda rids: ends.fail_rids(rids, unavailable, 503),
+            fail_after_s=svc.detokenizer_timeout_s,
+            tls=svc.tls,
         )
         calls = ControlCalls(put, connections, sid)
         load = LoadReporter(
-            sid, calls=calls, connections=connections, tracker=self.tracker, state=state,
-            metrics=metrics, interval_s=svc.load_report_interval_s,
+            sid,
+            calls=calls,
+            connections=connections,
+            tracker=self.tracker,
+            state=state,
+            metrics=metrics,
+            interval_s=svc.load_report_interval_s,
         )
         return SchedulerServicer(
-            put, scheduler_id=sid, model_info=model_info(runtime), state=state, tracker=self.tracker,
-            connections=connections, calls=calls, load=load, ends=ends, detok=self.detok,
-            observer=RequestObserver(metrics, sid), handover=self.handover, on_fatal=self._fatal,
+            put,
+            scheduler_id=sid,
+            model_info=model_info(runtime),
+            state=state,
+            tracker=self.tracker,
+            connections=connections,
+            calls=calls,
+            load=load,
+            ends=ends,
+            detok=self.detok,
+            observer=RequestObserver(metrics, sid),
+            handover=self.handover,
+            on_fatal=self._fatal,
         )
 
     async def _serve_when_decode_up(self) -> None:
@@ -183,7 +199,7 @@ class SchedulerServer:
         await self.close()
         return self.exit_code
 
-    async def shutdown(self, grace_s: Optional[float] = None) -> None:
+    async def shutdown(self, grace_s: float | None = None) -> None:
         """What SIGTERM does: drain within grace_s, then stop everything."""
         assert self.grpc is not None and self.servicer is not None
         grace = self.svc.grace_period_s if grace_s is None else grace_s
@@ -228,7 +244,7 @@ def serve(svc: SchedulerServiceConfig, engine: SchedulerConfig) -> int:
         telemetry.shutdown_telemetry()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`meshlm serve scheduler ARGS` / `python -m meshlm.scheduler ARGS`."""
     svc, engine = parse_args(argv)
     if not svc.detokenizer_addrs:

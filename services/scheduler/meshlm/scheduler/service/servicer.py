@@ -23,10 +23,13 @@ on_crash (loop thread).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable, Optional
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
+
 from meshlm.common import protocol
 from meshlm.common.errors import ServiceError
 from meshlm.common.log import request_id_var
@@ -69,8 +72,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         ends: RequestEnds,
         detok: DetokenizerPushClient,
         observer: RequestObserver,
-        handover: Optional[PrefillHandover] = None,
-        on_fatal: Optional[Callable[[], None]] = None,
+        handover: PrefillHandover | None = None,
+        on_fatal: Callable[[], None] | None = None,
     ) -> None:
         """handover: the prefill role's. on_fatal: called once the loop crashed (the server
         stops the process)."""
@@ -87,7 +90,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.observer = observer
         self.handover = handover
         self._on_fatal = on_fatal
-        self._aio: Optional[asyncio.AbstractEventLoop] = None
+        self._aio: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
 
     # ---- life cycle (asyncio thread) ----------------------------------------------------
@@ -99,18 +102,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-            except (asyncio.CancelledError, Exception):
-                pass
         self._tasks = []
         self.connections.close_all()
 
     async def drain(self, grace_s: float) -> None:
         """SIGTERM: lifecycle.drain (refuse new requests, finish or fail the running ones)."""
         await lifecycle.drain(
-            grace_s, scheduler_id=self.scheduler_id, state=self.state, tracker=self.tracker,
-            ends=self.ends, detok=self.detok, connections=self.connections,
+            grace_s,
+            scheduler_id=self.scheduler_id,
+            state=self.state,
+            tracker=self.tracker,
+            ends=self.ends,
+            detok=self.detok,
+            connections=self.connections,
         )
 
     # ---- loop-thread callbacks ----------------------------------------------------------
@@ -281,7 +287,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return
         self.ends.abort(pb.rid, message)
 
-    def _refusal(self, rid: str) -> Optional[tuple[str, int]]:
+    def _refusal(self, rid: str) -> tuple[str, int] | None:
         """Why rid cannot be accepted now (message, HTTP status), or None."""
         if not rid:
             return "rid must not be empty", 400
@@ -293,9 +299,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             return f"duplicate request id {rid!r}", 400
         return None
 
-    def _submit(
-        self, conn: Connection, pb: Any, *, is_embedding: bool, prefilled: Optional[PrefilledReq] = None
-    ) -> None:
+    def _submit(self, conn: Connection, pb: Any, *, is_embedding: bool, prefilled: PrefilledReq | None = None) -> None:
         rid = pb.rid
         token = request_id_var.set(rid)
         try:
@@ -309,13 +313,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 req = wire.generate_req_from_proto(pb)
                 # The tokenizer asks for logprob text through the detokenizer; the scheduler
                 # proto has no return_text_in_logprobs, so logprob requests always get text.
-                seed = wire.decode_seed(
-                    req.input_ids, req.sampling_params, want_logprob_text=req.return_logprob
+                seed = wire.decode_seed(req.input_ids, req.sampling_params, want_logprob_text=req.return_logprob)
+            self.tracker.add(
+                TrackedRequest(
+                    rid=rid,
+                    origin=pb.origin or conn.origin,
+                    conn_id=conn.id,
+                    trace=pb.trace,
+                    seed=seed,
+                    is_embedding=is_embedding,
+                    from_prefill=prefilled is not None,
                 )
-            self.tracker.add(TrackedRequest(
-                rid=rid, origin=pb.origin or conn.origin, conn_id=conn.id, trace=pb.trace, seed=seed,
-                is_embedding=is_embedding, from_prefill=prefilled is not None,
-            ))
+            )
             conn.rids.add(rid)
             self._put(prefilled or req)
         finally:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from meshlm.common.finish import FinishReason
 from meshlm.scheduler.managers.io_struct import (
@@ -45,21 +44,21 @@ class TrackedRequest:
     is_embedding: bool = False
     # Everything emitted so far: the running total of the request's TokenDeltas (token offset
     # 0), or its embedding. An embedding request rejected by the loop emits a TokenDelta.
-    sent: Optional[TokenDelta] = None
-    embedding: Optional[EmbeddingOut] = None
+    sent: TokenDelta | None = None
+    embedding: EmbeddingOut | None = None
     emissions: int = 0  # outputs produced so far
     seeded: bool = False  # seed sent on the current detokenizer stream
-    finished_at: Optional[float] = None  # monotonic
+    finished_at: float | None = None  # monotonic
     spans_emitted: set[str] = field(default_factory=set)
     # Disaggregation. Prefill side: the decode endpoint the request was handed to, and
     # whether an abort was asked (a handover still in flight is then dropped). Decode side:
     # the request came from a prefill scheduler, which wants handover_done when it ends.
-    handed_to: Optional[str] = None
+    handed_to: str | None = None
     abort_requested: bool = False
     from_prefill: bool = False
 
     @property
-    def finish(self) -> Optional[FinishReason]:
+    def finish(self) -> FinishReason | None:
         if self.embedding is not None:
             return self.embedding.finish_reason
         return self.sent.finish_reason if self.sent is not None else None
@@ -73,7 +72,7 @@ class TrackedRequest:
         return len(self.sent.output_ids) if self.sent is not None else 0
 
     @property
-    def times(self) -> Optional[ReqTimes]:
+    def times(self) -> ReqTimes | None:
         """The engine's phase times (latest seen; None for embeddings)."""
         return self.sent.times if self.sent is not None else None
 
@@ -87,14 +86,14 @@ class RequestTracker:
     def add(self, req: TrackedRequest) -> None:
         self._reqs[req.rid] = req
 
-    def get(self, rid: str) -> Optional[TrackedRequest]:
+    def get(self, rid: str) -> TrackedRequest | None:
         return self._reqs.get(rid)
 
     def is_live(self, rid: str) -> bool:
         t = self._reqs.get(rid)
         return t is not None and not t.finished
 
-    def remove(self, rid: str) -> Optional[TrackedRequest]:
+    def remove(self, rid: str) -> TrackedRequest | None:
         return self._reqs.pop(rid, None)
 
     def live(self) -> list[TrackedRequest]:
@@ -113,7 +112,7 @@ class RequestTracker:
     def __len__(self) -> int:
         return len(self._reqs)
 
-    def expire(self, now: Optional[float] = None) -> int:
+    def expire(self, now: float | None = None) -> int:
         """Forget requests finished more than retention_s ago; returns how many."""
         now = time.monotonic() if now is None else now
         old = [r for r, t in self._reqs.items() if t.finished_at is not None and now - t.finished_at > self.retention_s]
@@ -122,7 +121,9 @@ class RequestTracker:
         return len(old)
 
     # ---- outputs ------------------------------------------------------------------------
-    def token_out(self, out: BatchTokenIDOut, scheduler_id: str) -> tuple[scheduler_pb2.BatchTokenIDOut, list[TrackedRequest]]:
+    def token_out(
+        self, out: BatchTokenIDOut, scheduler_id: str
+    ) -> tuple[scheduler_pb2.BatchTokenIDOut, list[TrackedRequest]]:
         """The wire message for a step's output (untracked rids — already failed — are left
         out) and the tracked requests it holds, in order. Updates each request's state."""
         pb = scheduler_pb2.BatchTokenIDOut(scheduler_id=scheduler_id)
@@ -135,10 +136,15 @@ class RequestTracker:
             if t.emissions == 0 and delta.prompt_tail_ids:
                 del t.seed.prompt_tail_ids[:]  # the prompt as the loop built it (sessions)
                 t.seed.prompt_tail_ids.extend(delta.prompt_tail_ids)
-            pb.deltas.append(wire.token_delta_to_proto(
-                delta, origin=t.origin, token_offset=t.num_output_ids,
-                seed=None if t.seeded else t.seed, trace=t.trace,
-            ))
+            pb.deltas.append(
+                wire.token_delta_to_proto(
+                    delta,
+                    origin=t.origin,
+                    token_offset=t.num_output_ids,
+                    seed=None if t.seeded else t.seed,
+                    trace=t.trace,
+                )
+            )
             t.seeded = True
             t.emissions += 1
             if t.sent is None:
@@ -149,7 +155,9 @@ class RequestTracker:
             tracked.append(t)
         return pb, tracked
 
-    def embedding_out(self, out: BatchEmbeddingOut, scheduler_id: str) -> tuple[scheduler_pb2.BatchEmbeddingOut, list[TrackedRequest]]:
+    def embedding_out(
+        self, out: BatchEmbeddingOut, scheduler_id: str
+    ) -> tuple[scheduler_pb2.BatchEmbeddingOut, list[TrackedRequest]]:
         pb = scheduler_pb2.BatchEmbeddingOut(scheduler_id=scheduler_id)
         tracked = []
         now = time.monotonic()
@@ -176,9 +184,15 @@ class RequestTracker:
             if t.embedding is not None:
                 embeds.results.append(wire.embedding_to_proto(t.embedding, origin=t.origin, trace=t.trace))
             elif t.sent is not None:
-                tokens.deltas.append(wire.token_delta_to_proto(
-                    t.sent, origin=t.origin, token_offset=0, seed=t.seed, trace=t.trace,
-                ))
+                tokens.deltas.append(
+                    wire.token_delta_to_proto(
+                        t.sent,
+                        origin=t.origin,
+                        token_offset=0,
+                        seed=t.seed,
+                        trace=t.trace,
+                    )
+                )
         out: list[scheduler_pb2.BatchTokenIDOut | scheduler_pb2.BatchEmbeddingOut] = []
         if tokens.deltas:
             out.append(tokens)

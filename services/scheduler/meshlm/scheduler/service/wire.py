@@ -12,7 +12,8 @@ The reverse directions exist too (tests, and tools that drive a scheduler direct
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from meshlm.common.finish import FinishReason
 from meshlm.scheduler.managers.io_struct import (
@@ -35,14 +36,36 @@ from meshlm.v1 import common_pb2, scheduler_pb2
 
 # ---- sampling params ------------------------------------------------------------------------
 _OPTIONAL_SCALARS = (
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
-    "sampling_seed", "stream_interval", "json_schema", "regex", "ebnf",
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "n",
+    "sampling_seed",
+    "stream_interval",
+    "json_schema",
+    "regex",
+    "ebnf",
 )
-_FLOATS = frozenset({
-    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-})
+_FLOATS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+    }
+)
 _DEFAULTS = SamplingParams()
 
 
@@ -103,7 +126,7 @@ def generate_req_from_proto(pb: scheduler_pb2.TokenizedGenerateReqInput) -> Toke
 
 
 def generate_req_to_proto(
-    req: TokenizedGenerateReqInput, origin: str = "", trace: Optional[common_pb2.TraceContext] = None
+    req: TokenizedGenerateReqInput, origin: str = "", trace: common_pb2.TraceContext | None = None
 ) -> scheduler_pb2.TokenizedGenerateReqInput:
     pb = scheduler_pb2.TokenizedGenerateReqInput(
         rid=req.rid,
@@ -142,24 +165,20 @@ def close_session_from_proto(pb: scheduler_pb2.CloseSessionReq, call_id: int = 0
 
 
 # ---- logprobs -------------------------------------------------------------------------------
-def _token(lp: Optional[float], token_id: int) -> common_pb2.TokenLogprob:
+def _token(lp: float | None, token_id: int) -> common_pb2.TokenLogprob:
     if lp is None:  # the first prompt token has no logprob
         return common_pb2.TokenLogprob(token_id=token_id, has_logprob=False)
     return common_pb2.TokenLogprob(logprob=lp, token_id=token_id, has_logprob=True)
 
 
 def _tops(rows: Sequence[TopLogprobs]) -> list[common_pb2.TopLogprobs]:
-    return [
-        common_pb2.TopLogprobs(entries=[_token(lp, tid) for lp, tid in (row or ())]) for row in rows
-    ]
+    return [common_pb2.TopLogprobs(entries=[_token(lp, tid) for lp, tid in (row or ())]) for row in rows]
 
 
 def logprobs_to_proto(lp: LogprobDelta, output_ids: Sequence[int]) -> common_pb2.LogprobDelta:
     """A delta's logprobs (output entry k is about output_ids[k])."""
     pb = common_pb2.LogprobDelta()
-    pb.input_token_logprobs.extend(
-        _token(x, tid) for x, tid in zip(lp.input_token_logprobs, lp.input_token_ids)
-    )
+    pb.input_token_logprobs.extend(_token(x, tid) for x, tid in zip(lp.input_token_logprobs, lp.input_token_ids))
     pb.input_top_logprobs.extend(_tops(lp.input_top_logprobs))
     pb.input_token_ids_logprobs.extend(_tops(lp.input_token_ids_logprobs))
     pb.output_token_logprobs.extend(_token(x, tid) for x, tid in zip(lp.output_token_logprobs, output_ids))
@@ -203,8 +222,8 @@ def token_delta_to_proto(
     *,
     origin: str,
     token_offset: int,
-    seed: Optional[scheduler_pb2.DecodeSeed],
-    trace: Optional[common_pb2.TraceContext],
+    seed: scheduler_pb2.DecodeSeed | None,
+    trace: common_pb2.TraceContext | None,
 ) -> scheduler_pb2.TokenDelta:
     """One request's wire delta: the engine's delta plus its ring data. Unset: finish_reason
     while running, logprobs when the request asked for none, seed when it is not due."""
@@ -244,7 +263,7 @@ def token_delta_from_proto(pb: scheduler_pb2.TokenDelta) -> TokenDelta:
 
 
 def embedding_to_proto(
-    out: EmbeddingOut, *, origin: str, trace: Optional[common_pb2.TraceContext]
+    out: EmbeddingOut, *, origin: str, trace: common_pb2.TraceContext | None
 ) -> scheduler_pb2.EmbeddingOut:
     pb = scheduler_pb2.EmbeddingOut(
         rid=out.rid,

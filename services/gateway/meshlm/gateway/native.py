@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from meshlm.common.errors import ServiceError
 from meshlm.common.log import request_id_var
@@ -29,12 +28,20 @@ from meshlm.gateway.grpc_client import (
     sampling_params,
     trace_context,
 )
+from meshlm.gateway.native_outputs import native_output, proto_dict
+from meshlm.gateway.native_protocol import (
+    AbortReq,
+    CloseSessionReq,
+    EmbeddingReqInput,
+    GenerateReqInput,
+    NativeSamplingParams,
+    OpenSessionReq,
+)
 from meshlm.gateway.outputs import (
     SSE_DONE,
     Output,
     abort_error,
     first_abort,
-    input_logprob_values,
     sse,
     sse_response,
 )
@@ -56,87 +63,6 @@ def route(path: str, methods: list[str]) -> Any:
 
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class NativeSamplingParams(BaseModel):
-    """SGLang's SamplingParams as a JSON object; unknown keys are rejected."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    max_new_tokens: int | None = Field(None, ge=0, lt=1 << 31)
-    min_new_tokens: int | None = Field(None, ge=0, lt=1 << 31)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, lt=1 << 31)
-    min_p: float | None = Field(None, ge=0, le=1)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    n: int | None = Field(None, ge=1, le=128)
-    logit_bias: dict[str, float] | None = None
-    sampling_seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
-    stream_interval: int | None = Field(None, ge=1)
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v == 0:
-            raise ValueError("must be -1 (whole vocabulary) or >= 1")
-        return v
-
-
-class SessionParams(_Strict):
-    id: str
-    rid: str | None = None
-
-
-class GenerateReqInput(_Strict):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = Field(None, ge=-1, description="-1 = output tokens only")
-    top_logprobs_num: int = Field(0, ge=0)
-    token_ids_logprob: list[int] | None = None
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    session_params: SessionParams | None = None
-    input_embeds: Any | None = None
-    image_data: Any | None = None
-    lora_path: Any | None = None
-
-
-class EmbeddingReqInput(_Strict):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    rid: str | None = None
-
-
-class AbortReq(_Strict):
-    rid: str = ""
-    abort_all: bool = False
-
-
-class OpenSessionReq(_Strict):
-    capacity_of_str_len: int = Field(0, ge=0)
-    session_id: str | None = None
-
-
-class CloseSessionReq(_Strict):
-    session_id: str
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -163,61 +89,6 @@ def _sampling(sp: NativeSamplingParams | None) -> common_pb2.SamplingParams:
         return sampling_params(sp.model_dump() if sp is not None else {})
     except (ValueError, TypeError) as e:
         raise bad_request(f"sampling_params: {e}", "sampling_params") from None
-
-
-def _repeated(field: Any) -> bool:
-    is_repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.28; `label` before
-    return bool(is_repeated) if is_repeated is not None else field.label == field.LABEL_REPEATED
-
-
-def proto_dict(message: Any) -> dict[str, Any]:
-    """A shallow-recursive dict of a proto message (int64 stay ints, repeated become lists)."""
-    out: dict[str, Any] = {}
-    for field in message.DESCRIPTOR.fields:
-        value = getattr(message, field.name)
-        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
-            value = [proto_dict(v) for v in value] if _repeated(field) else proto_dict(value)
-        elif _repeated(field):
-            value = list(value)
-        out[field.name] = value
-    return out
-
-
-def _tuples(entries: list[common_pb2.TokenLogprob], values: list[float | None] | None, text: bool) -> list:
-    values = values if values is not None else [e.logprob for e in entries]
-    return [[values[i], e.token_id, (e.text if text else None)] for i, e in enumerate(entries)]
-
-
-def _tops(positions: list[common_pb2.TopLogprobs], text: bool) -> list:
-    return [_tuples(list(p.entries), None, text) if len(p.entries) else None for p in positions]
-
-
-def native_output(out: Output, body: GenerateReqInput, with_index: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "id": out.id,
-        "finish_reason": out.sglang_finish_reason(),
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "cached_tokens": out.cached_tokens,
-        "num_retractions": out.retractions,
-        "e2e_latency": out.e2e_latency,
-    }
-    if body.return_logprob:
-        lp, text = out.logprobs, body.return_text_in_logprobs
-        meta["input_token_logprobs"] = _tuples(
-            lp["input_token_logprobs"], input_logprob_values(lp["input_token_logprobs"]), text
-        )
-        meta["output_token_logprobs"] = _tuples(lp["output_token_logprobs"], None, text)
-        if body.top_logprobs_num:
-            meta["input_top_logprobs"] = _tops(lp["input_top_logprobs"], text)
-            meta["output_top_logprobs"] = _tops(lp["output_top_logprobs"], text)
-        if body.token_ids_logprob:
-            meta["input_token_ids_logprobs"] = _tops(lp["input_token_ids_logprobs"], text)
-            meta["output_token_ids_logprobs"] = _tops(lp["output_token_ids_logprobs"], text)
-    result = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
-    if with_index:
-        result["index"] = out.index
-    return result
 
 
 async def _open_all(

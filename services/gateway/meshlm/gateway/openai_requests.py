@@ -1,0 +1,116 @@
+"""OpenAI request bodies as tokenizer calls: prompts (text, ids, batches, chat messages), sampling
+parameters (with response_format), and the prompt texts an echo repeats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from meshlm.gateway.errors import bad_request
+from meshlm.gateway.grpc_client import sampling_params
+from meshlm.gateway.openai_protocol import ChatCompletionRequest
+from meshlm.gateway.state import GatewayState
+from meshlm.v1 import common_pb2, tokenizer_pb2
+
+PromptValue = str | list[str] | list[int] | list[list[int]]
+
+
+def prompts_of(value: PromptValue) -> list[tokenizer_pb2.Prompt]:
+    """str | list[str] | list[int] | list[list[int]] -> one Prompt per prompt."""
+    if isinstance(value, str):
+        return [tokenizer_pb2.Prompt(text=value)]
+    if isinstance(value[0], int):
+        return [tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=value))]
+    if isinstance(value[0], str):
+        return [tokenizer_pb2.Prompt(text=v) for v in value]
+    return [tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=v)) for v in value]
+
+
+def build_sampling(req: Any, max_new_tokens: int | None) -> common_pb2.SamplingParams:
+    if req.tools:
+        raise bad_request("tools (function calling) are not supported", "tools")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    values = dict(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=req.min_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty,
+        stop=[s for s in stop if s] or None,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        no_stop_trim=req.no_stop_trim,
+        n=req.n,
+        logit_bias=req.logit_bias,
+        sampling_seed=req.seed,
+        json_schema=req.json_schema,
+        regex=req.regex,
+        ebnf=req.ebnf,
+    )
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            values["json_schema"] = values["json_schema"] or '{"type": "object"}'
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be an object", "response_format")
+            values["json_schema"] = json.dumps(schema)
+        elif kind != "text":
+            raise bad_request(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format"
+            )
+    try:
+        return sampling_params(values)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"invalid sampling parameters: {e}") from None
+
+
+async def _detokenize(st: GatewayState, ids: list[int]) -> str:
+    reply = await st.pool.detokenize(
+        tokenizer_pb2.DetokenizeRequest(tokens=ids, skip_special_tokens=False), timeout=st.control_timeout_s
+    )
+    return reply.text
+
+
+async def echo_texts(st: GatewayState, prompt: PromptValue) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    if isinstance(prompt[0], int):
+        return [await _detokenize(st, prompt)]
+    return list(await asyncio.gather(*(_detokenize(st, ids) for ids in prompt)))
+
+
+def chat_prompt(body: ChatCompletionRequest) -> tokenizer_pb2.Prompt:
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.content is None or isinstance(m.content, str):
+            content = m.content or ""
+        else:
+            parts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}].content: only text parts are supported, got {part.type!r}", "messages"
+                    )
+                parts.append(part.text)
+            content = "".join(parts)
+        role = "system" if m.role == "developer" else m.role
+        messages.append(tokenizer_pb2.ChatMessage(role=role, content=content))
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
+    return tokenizer_pb2.Prompt(
+        messages=tokenizer_pb2.ChatMessages(messages=messages, add_generation_prompt=not body.continue_final_message)
+    )

@@ -1,0 +1,105 @@
+"""Generate calls of the OpenAI routes: run one to the end, or open it as an SSE stream whose
+body is the choices' events (always cancelled, always ending with [DONE])."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from meshlm.common.errors import ServiceError
+from meshlm.gateway.grpc_client import ClientDisconnected, GenerateStream, cancel_on_disconnect
+from meshlm.gateway.outputs import (
+    SSE_DONE,
+    Output,
+    abort_error,
+    first_abort,
+    sse_error,
+)
+from meshlm.gateway.state import GatewayState
+from meshlm.v1 import tokenizer_pb2
+
+
+async def collect(st: GatewayState, greq: tokenizer_pb2.GenerateRequest) -> dict[int, Output]:
+    """Run Generate to the end; an aborted output becomes the HTTP error of its status code."""
+    stream = await st.pool.generate(greq, timeout=st.config.request_timeout_s)
+    outputs: dict[int, Output] = {}
+    try:
+        async for response in stream:
+            out = outputs.get(response.index) or outputs.setdefault(response.index, Output(response.index))
+            out.add(response)
+            if out.abort is not None:
+                raise abort_error(out.abort)
+    finally:
+        stream.cancel()
+    return outputs
+
+
+async def run_generate(request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest) -> dict[int, Output]:
+    return await cancel_on_disconnect(request, collect(st, greq))
+
+
+async def open_stream(request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest) -> GenerateStream | None:
+    """Start a streaming Generate and wait for its first response (an error before any output is an
+    HTTP error, not an SSE event); None if the client left meanwhile."""
+    try:
+        return await cancel_on_disconnect(request, st.pool.generate(greq, timeout=st.config.request_timeout_s))
+    except ClientDisconnected:
+        return None
+
+
+async def open_sse_stream(
+    request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest
+) -> GenerateStream | Response:
+    """open_stream for an SSE route: the stream, a 499 response if the client left, or the HTTP
+    error of a request aborted before any output (bad input is a 400, not an SSE event)."""
+    stream = await open_stream(request, st, greq)
+    if stream is None:
+        return disconnected()
+    abort = first_abort(stream.first)
+    if abort is not None:
+        stream.cancel()
+        raise abort_error(abort)
+    return stream
+
+
+ChoiceEvents = Callable[[Output, tokenizer_pb2.GenerateResponse, bool], Iterable[str]]
+
+
+async def choice_events(
+    stream: GenerateStream, on_response: ChoiceEvents, on_done: Callable[[dict[int, Output]], Iterable[str]]
+) -> AsyncIterator[str]:
+    """The SSE body of both OpenAI streams. Each response updates its choice's Output (index ->
+    Output) and yields on_response(out, response, first-of-its-choice); an abort ends the stream
+    with an error event, a completed stream with on_done(outputs). A service error becomes an
+    error event; the stream is always cancelled and the body always ends with [DONE]."""
+    outputs: dict[int, Output] = {}
+    try:
+        async for response in stream:
+            first = response.index not in outputs
+            out = outputs.setdefault(response.index, Output(response.index))
+            out.add(response)
+            if out.abort is not None:
+                err = abort_error(out.abort)
+                yield sse_error(err.status, err.message)
+                break
+            for event in on_response(out, response, first):
+                yield event
+        else:
+            for event in on_done(outputs):
+                yield event
+    except ServiceError as e:
+        yield sse_error(e.http_status, e.message)
+    finally:
+        stream.cancel()
+    yield SSE_DONE
+
+
+def json_response(model: Any) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
+
+
+def disconnected() -> Response:
+    return Response(status_code=499)

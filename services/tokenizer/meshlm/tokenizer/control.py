@@ -136,9 +136,9 @@ class ControlPlane:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no scheduler is connected")
         if request.session_id:
             session_id = request.session_id
-            conn = self.m.route(session_id)
+            conn = self.m.dispatch.route(session_id)
         else:
-            conn = self.m.route()
+            conn = self.m.dispatch.route()
             session_id = f"s{conn.index}-{uuid.uuid4().hex}"
         out = await conn.call(
             scheduler_pb2.SchedulerInput(
@@ -159,7 +159,7 @@ class ControlPlane:
     async def close_session(self, session_id: str) -> None:
         if not session_id:
             raise invalid("session_id is empty")
-        conn = self.m.route(session_id)
+        conn = self.m.dispatch.route(session_id)
         out = await conn.call(
             scheduler_pb2.SchedulerInput(close_session=scheduler_pb2.CloseSessionReq(session_id=session_id)),
             self.timeout,

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from meshlm.common.finish import FinishReason
 from meshlm.common.metrics import Metrics
+
+if TYPE_CHECKING:
+    from meshlm.tokenizer.state import ReqState
 
 # Inter-token latencies are small; finer buckets than the shared latency ones.
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
@@ -29,6 +35,24 @@ class TokenizerMetrics:
         per = interval / num_tokens
         for _ in range(min(num_tokens, 64)):
             self.inter_token_latency.observe(per)
+
+    def observe_tokens(self, state: ReqState, num_ids: int, now: float) -> None:
+        """A delta with output of a Generate request: its first token, or num_ids more."""
+        if state.first_at is None:
+            state.first_at = now
+            self.time_to_first_token.observe(now - state.call.started)
+        elif num_ids:
+            self.observe_inter_token(now - (state.last_at or now), num_ids)
+        if num_ids:
+            state.last_at = now
+
+    def observe_finish(self, state: ReqState, finish: FinishReason, now: float) -> None:
+        self.num_requests.inc()
+        self.e2e_request_latency.observe(now - state.call.started)
+        self.prompt_tokens.inc(state.prompt_tokens)
+        self.generation_tokens.inc(state.completion_tokens)
+        if finish.is_abort:
+            self.num_aborted_requests.inc()
 
     def serve(self, port: int | None) -> None:
         self.metrics.serve(port)

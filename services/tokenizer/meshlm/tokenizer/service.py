@@ -98,23 +98,23 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def GetModelInfo(
         self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
-        return await _unary(context, self.manager.get_model_info)
+        return await _unary(context, self.manager.control.get_model_info)
 
     async def GetServerInfo(
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.ServerInfo:
-        return await _unary(context, self.manager.get_server_info)
+        return await _unary(context, self.manager.control.get_server_info)
 
     async def FlushCache(
         self, request: tokenizer_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.FlushCacheResponse:
-        return await _unary(context, self.manager.flush_cache)
+        return await _unary(context, self.manager.control.flush_cache)
 
     async def OpenSession(
         self, request: tokenizer_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.OpenSessionResponse:
         async def run() -> tokenizer_pb2.OpenSessionResponse:
-            return tokenizer_pb2.OpenSessionResponse(session_id=await self.manager.open_session(request))
+            return tokenizer_pb2.OpenSessionResponse(session_id=await self.manager.control.open_session(request))
 
         return await _unary(context, run)
 
@@ -122,7 +122,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.CloseSessionResponse:
         async def run() -> tokenizer_pb2.CloseSessionResponse:
-            await self.manager.close_session(request.session_id)
+            await self.manager.control.close_session(request.session_id)
             return tokenizer_pb2.CloseSessionResponse()
 
         return await _unary(context, run)

@@ -16,7 +16,7 @@ import grpc
 from meshlm.common.errors import ServiceError
 from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.tokenizer.request import DeltaTracker
-from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
+from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
 
 INPUT_LP = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 OUTPUT_LP = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
@@ -165,3 +165,28 @@ def read_text_delta(state: ReqState, d: detokenizer_pb2.TextDelta) -> Delta | No
     if text or ids:
         state.produced = True
     return Delta(text, ids, logprobs, finish)
+
+
+def response_of(
+    state: ReqState,
+    text: str,
+    ids: list[int],
+    logprobs: common_pb2.LogprobDelta | None,
+    finish: FinishReason | None,
+) -> tokenizer_pb2.GenerateResponse:
+    """A GenerateResponse of one output: a delta (stream) or the whole output (non-stream)."""
+    meta = tokenizer_pb2.MetaInfo(
+        id=state.public_rid,
+        prompt_tokens=state.prompt_tokens,
+        completion_tokens=state.completion_tokens,
+        cached_tokens=state.cached_tokens,
+        retractions=state.retractions,
+    )
+    if logprobs is not None and logprobs.ByteSize():
+        meta.logprobs.CopyFrom(logprobs)
+    if finish is not None:
+        meta.finish_reason.CopyFrom(finish.to_proto())
+        meta.e2e_latency = time.monotonic() - state.call.started
+    return tokenizer_pb2.GenerateResponse(
+        index=state.index, text=text, output_ids=ids, meta_info=meta, finished=finish is not None
+    )

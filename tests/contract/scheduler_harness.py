@@ -5,7 +5,8 @@
 * RecordingDetokenizer: a DetokenizerService whose Push records every message (a test peer that
   stands where a detokenizer sits, not a mock of our detokenizer);
 * TokenizerStream: one Connect stream driven like a tokenizer replica would;
-* ServiceThread: a SchedulerServer running on its own asyncio loop in a thread.
+* ServiceThread: a SchedulerServer running on its own asyncio loop in a thread;
+* PROMPT, greedy, engine_config, wait_idle: what the contract tests send and wait for.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common import protocol
+from meshlm.scheduler.config import SchedulerConfig
 from meshlm.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -245,3 +247,28 @@ class ServiceThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+
+
+SERVICE = "meshlm.v1.SchedulerService"
+
+
+PROMPT = [504, 2365, 6354, 16438, 27003, 690, 260]  # "The quick brown fox jumps over the"
+
+
+def greedy(n: int, **kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def engine_config(model: str) -> SchedulerConfig:
+    return SchedulerConfig(model_path=model, max_total_tokens=4096, load_progress=False)
+
+
+def wait_idle(t: TokenizerStream, timeout: float = 2.0, call_base: int = 9000) -> common_pb2.SchedulerLoad:
+    """Poll GetLoad over Connect until nothing runs and no KV is held."""
+    calls = iter(range(call_base, call_base + 10000))
+
+    def idle():
+        load = t.call(next(calls), get_load=scheduler_pb2.GetLoadReq()).load
+        return load if load.num_running_reqs == 0 and load.num_queue_reqs == 0 and load.num_used_tokens == 0 else None
+
+    return wait_until(idle, timeout, "the scheduler to be idle with its KV free", interval=0.05)

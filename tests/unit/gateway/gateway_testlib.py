@@ -9,6 +9,7 @@ tokenizer answers a non-stream request at the end) and then waits until the call
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Any
 
@@ -223,3 +224,22 @@ def make_config(**overrides: Any) -> GatewayConfig:
     values: dict[str, Any] = {"tokenizer_addrs": (UNREACHABLE,), "served_model_name": MODEL}
     values.update(overrides)
     return GatewayConfig(**values)
+
+
+def sse_events(response) -> list:
+    """The data events of an SSE response (which must end with [DONE]), JSON decoded."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def last_request(fake):
+    """What the fake tokenizer received last."""
+    return fake.servicer.requests[-1]

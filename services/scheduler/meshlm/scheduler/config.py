@@ -35,8 +35,8 @@ class SchedulerConfig:
     mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384
-    chunked_prefill_size: int = 4096  # -1 disables chunking
-    enable_mixed_chunk: bool = False  # decode tokens of running requests ride in prefill batches
+    chunked_prefill_size: int = 2048  # -1 disables chunking (vLLM's CPU default token budget)
+    enable_mixed_chunk: bool = True  # decode tokens of running requests ride in prefill batches
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
@@ -115,7 +115,8 @@ class SchedulerConfig:
             "chunked_prefill_size": "tokens per prefill chunk (-1 disables chunking)",
             "enable_mixed_chunk": (
                 "run the running requests' decode step inside each prefill batch (SGLang's mixed "
-                "chunk): decoding never pauses while prompts prefill"
+                "chunk; on by default, as vLLM always mixes): decoding never pauses while prompts "
+                "prefill; --no-enable-mixed-chunk runs them as separate steps"
             ),
             "schedule_policy": f"waiting-queue order: {' | '.join(POLICIES)}",
             "schedule_conservativeness": "scales the reserve kept for future decode tokens",

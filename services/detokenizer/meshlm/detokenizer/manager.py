@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -135,7 +135,7 @@ class DetokenizerManager:
             held = self._held.setdefault(sub.origin, deque())
             held.extendleft((deadline, msg) for msg in reversed(pending))
 
-    async def stream(self, origin: str) -> AsyncIterator[Output]:
+    async def stream(self, origin: str) -> AsyncGenerator[Output, None]:
         """The outputs of one origin until the subscription ends (replaced, or drain)."""
         sub = self.subscribe(origin)
         try:

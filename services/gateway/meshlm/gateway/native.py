@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -78,10 +78,10 @@ def _prompts(text: Any, input_ids: Any) -> tuple[list[tokenizer_pb2.Prompt], boo
             raise bad_request("text: the batch must not be empty", "text")
         return [tokenizer_pb2.Prompt(text=t) for t in items], batch
     batch = bool(input_ids) and isinstance(input_ids[0], list)
-    items = input_ids if batch else [input_ids]
-    if not items or any(not ids for ids in items):
+    id_lists: list[list[int]] = input_ids if batch else [input_ids]
+    if not id_lists or any(not ids for ids in id_lists):
         raise bad_request("input_ids must not be empty", "input_ids")
-    return [tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=ids)) for ids in items], batch
+    return [tokenizer_pb2.Prompt(input_ids=tokenizer_pb2.TokenIdList(ids=ids)) for ids in id_lists], batch
 
 
 def _sampling(sp: NativeSamplingParams | None) -> common_pb2.SamplingParams:
@@ -105,7 +105,9 @@ async def _open_all(
         raise
 
 
-async def _merged(streams: list[GenerateStream], offsets: list[int]) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+async def _merged(
+    streams: list[GenerateStream], offsets: list[int]
+) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
     """Responses of every stream, index shifted by the stream's offset (one per prompt call)."""
     if len(streams) == 1:
         try:
@@ -155,9 +157,10 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
             raise bad_request(f"{name} is not supported", name)
     prompts, batch = _prompts(body.text, body.input_ids)
     sps = body.sampling_params if isinstance(body.sampling_params, list) else None
+    one_sp = body.sampling_params if not isinstance(body.sampling_params, list) else None
     if sps is not None and len(sps) != len(prompts):
         raise bad_request(f"sampling_params: {len(sps)} given for {len(prompts)} prompts", "sampling_params")
-    ns = {(sp.n or 1) for sp in sps} if sps else {(body.sampling_params.n or 1) if body.sampling_params else 1}
+    ns = {(sp.n or 1) for sp in sps} if sps else {(one_sp.n or 1) if one_sp else 1}
     if len(ns) > 1:
         raise bad_request("sampling_params: n must be the same for every prompt of a batch", "sampling_params")
     n = ns.pop()
@@ -166,7 +169,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
         raise bad_request(f"rid: a list needs one id per prompt ({len(prompts)})", "rid")
     base_rid = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
     request_id_var.set(base_rid)
-    common = dict(
+    common: dict[str, Any] = dict(
         return_logprob=body.return_logprob,
         top_logprobs_num=body.top_logprobs_num,
         token_ids_logprob=body.token_ids_logprob or [],
@@ -179,15 +182,16 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     if body.logprob_start_len is not None and body.logprob_start_len >= 0:
         common["logprob_start_len"] = body.logprob_start_len
     if sps is None and rids is None:  # one call; the tokenizer names the outputs <rid>_<i>
-        sp = body.sampling_params if not isinstance(body.sampling_params, list) else None
-        calls = [tokenizer_pb2.GenerateRequest(rid=base_rid, prompts=prompts, sampling_params=_sampling(sp), **common)]
+        calls = [
+            tokenizer_pb2.GenerateRequest(rid=base_rid, prompts=prompts, sampling_params=_sampling(one_sp), **common)
+        ]
         offsets = [0]
     else:  # per-prompt sampling params or ids: one call per prompt
         calls = [
             tokenizer_pb2.GenerateRequest(
                 rid=rids[i] if rids else f"{base_rid}_{i}",
                 prompts=[p],
-                sampling_params=_sampling(sps[i] if sps else body.sampling_params),
+                sampling_params=_sampling(sps[i] if sps else one_sp),
                 **common,
             )
             for i, p in enumerate(prompts)
@@ -209,9 +213,12 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
             for other in streams:
                 other.cancel()
             raise abort_error(abort)
-    return sse_response(
-        _stream_events(streams, offsets, body, with_index), on_close=lambda: [s.cancel() for s in streams]
-    )
+
+    def cancel_all() -> None:
+        for s in streams:
+            s.cancel()
+
+    return sse_response(_stream_events(streams, offsets, body, with_index), on_close=cancel_all)
 
 
 async def _collect(

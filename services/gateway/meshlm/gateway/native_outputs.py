@@ -59,7 +59,7 @@ def native_output(out: Output, body: GenerateReqInput, with_index: bool) -> dict
         if body.token_ids_logprob:
             meta["input_token_ids_logprobs"] = _tops(lp["input_token_ids_logprobs"], text)
             meta["output_token_ids_logprobs"] = _tops(lp["output_token_ids_logprobs"], text)
-    result = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
+    result: dict[str, Any] = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
     if with_index:
         result["index"] = out.index
     return result

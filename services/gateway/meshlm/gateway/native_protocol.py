@@ -81,7 +81,7 @@ class AbortReq(_Strict):
 
 
 class OpenSessionReq(_Strict):
-    capacity_of_str_len: int = Field(0, ge=0)
+    capacity_of_str_len: int = Field(default=0, ge=0)
     session_id: str | None = None
 
 

@@ -43,6 +43,7 @@ def completion_logprobs(
         into.text_offset.append(offset)
         offset += len(entry.text)
         if tops is not None:
+            assert into.top_logprobs is not None  # made a list when top logprobs are asked for
             top = tops[i] if i < len(tops) else None
             into.top_logprobs.append({t.text: t.logprob for t in top.entries} if top and top.entries else None)
     return offset

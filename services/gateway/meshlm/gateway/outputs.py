@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
@@ -84,7 +84,7 @@ class Output:
         """The ABORT the output ended with, if it did."""
         return self.finish if self.finish is not None and self.finish.is_abort else None
 
-    def openai_finish_reason(self) -> str | None:
+    def openai_finish_reason(self) -> Literal["stop", "length"] | None:
         """stop | length (None while running; an abort is an error, not a finish reason)."""
         if not self.finished or self.finish is None:
             return None

@@ -64,7 +64,13 @@ class Dispatcher:
         connected = self.schedulers.connected()
         if not connected:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no scheduler is connected")
-        return self.schedulers.get(self.router.choose(connected, self._load_of))
+        return self._pick(connected)
+
+    def _pick(self, indices: list[int]) -> SchedulerConnection:
+        """The policy's choice among connected scheduler indices (the pool holds each of them)."""
+        conn = self.schedulers.get(self.router.choose(indices, self._load_of))
+        assert conn is not None, "the router chose an index the pool does not hold"
+        return conn
 
     def send(self, state: ReqState) -> None:
         field = "embed" if state.kind is ReqKind.EMBED else "generate"
@@ -80,7 +86,7 @@ class Dispatcher:
         if state.produced or state.retried or state.session_id or not others:
             self.inflight.fail(state, ServiceError(grpc.StatusCode.UNAVAILABLE, why))
             return
-        conn = self.schedulers.get(self.router.choose(others, self._load_of))
+        conn = self._pick(others)
         self.inflight.rekey(state, f"{state.public_rid}_retry")
         state.conn, state.retried = conn, True
         logger.warning("%s; retrying %s on scheduler %s", why, state.public_rid, conn.address)

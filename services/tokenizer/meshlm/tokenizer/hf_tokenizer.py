@@ -68,7 +68,7 @@ def _compile(template: str) -> jinja2.Template:
         # for serving it renders its body unchanged.
         tags = {"generation"}
 
-        def parse(self, parser: Any) -> jinja2.nodes.CallBlock:
+        def parse(self, parser: Any) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)

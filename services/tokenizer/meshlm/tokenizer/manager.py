@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -218,7 +218,9 @@ class TokenizerManager:
             )
 
     # ---- Generate -------------------------------------------------------------------------
-    async def generate(self, request: tokenizer_pb2.GenerateRequest) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+    async def generate(
+        self, request: tokenizer_pb2.GenerateRequest
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         """Deltas (stream) or, per index, the whole output when it finishes (non-stream)."""
         self.check_accepting()
         self._check_model_kind(generation=True)

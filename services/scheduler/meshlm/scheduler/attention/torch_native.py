@@ -97,13 +97,14 @@ class TorchNativeAttnBackend(AttentionBackend):
                 )
             fb.attn_metadata = _DecodeMeta(buckets)
             return
-        bounds, kv_idx, start = [], [], 0
-        rows = fb.req_pool_indices.tolist()
-        for row, pre, n in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+        bounds: list[tuple[int, int]] = []
+        kv_slots: list[torch.Tensor] = []
+        start = 0
+        for row, pre, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             bounds.append((start, start + n))
-            kv_idx.append(table[row, : pre + n] if pre > 0 else torch.empty(0, dtype=torch.int64))
+            kv_slots.append(table[row, : pre + n] if pre > 0 else torch.empty(0, dtype=torch.int64))
             start += n
-        fb.attn_metadata = _ExtendMeta(kv_idx, bounds)
+        fb.attn_metadata = _ExtendMeta(kv_slots, bounds)
 
     def forward(
         self,

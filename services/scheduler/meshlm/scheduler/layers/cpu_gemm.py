@@ -107,8 +107,8 @@ def prepack_weight(module: torch.nn.Module, with_bias: bool, gemv_ops: GemvOps |
     then an empty tensor of its dtype (the PackedLinear holds a small-batch copy of the weight
     only where it streams it for small batches). None when this torch build or CPU cannot (the module keeps its dense
     weight)."""
-    weight: torch.Tensor = module.weight  # type: ignore[assignment]
-    bias = module.bias if with_bias else None  # type: ignore[assignment]
+    weight, bias = module.weight, module.bias if with_bias else None
+    assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
     packed = try_pack(weight, bias, gemv_ops)
     if packed is None:
         return None

@@ -44,9 +44,14 @@ class RotaryEmbedding(nn.Module):
     One instance serves every layer of a model: cos/sin are cached once for positions
     [0, max_position) in float32 (a per-layer cache would cost layers x max_position x head_dim
     x 8 bytes: 4 GB for a 32-layer, 128K-context, head-dim-128 model), and a forward looks them
-    up once (cos_sin) for all its layers (apply). A position beyond the cache grows it (requests
+    up once (cos_sin) for all its layers (rotate). A position beyond the cache grows it (requests
     are validated against the context length before they get here).
     """
+
+    # Buffers (register_buffer), declared for the type checker.
+    inv_freq: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
 
     def __init__(
         self,
@@ -72,7 +77,7 @@ class RotaryEmbedding(nn.Module):
             self._build(int(positions.max()) * 2)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCosSin:
-        """cos, sin of `positions` [T], each [T, 1, D] in `dtype`, for apply()."""
+        """cos, sin of `positions` [T], each [T, 1, D] in `dtype`, for rotate()."""
         self._ensure(positions)
         return (self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype))
 
@@ -82,7 +87,7 @@ class RotaryEmbedding(nn.Module):
         return RopeBatch(self, positions, dtype, ops)
 
     @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: RopeCosSin) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos_sin: RopeCosSin) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] rotated by cos_sin (from cos_sin()), same dtypes."""
         cos, sin = cos_sin
         return _apply(q, cos, sin), _apply(k, cos, sin)
@@ -113,7 +118,7 @@ class RopeBatch:
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.cos_sin is None:  # ops given but this qkv not theirs (e.g. float16): look up once
             self.cos_sin = self.emb.cos_sin(self.positions, qkv.dtype)
-        q, k = RotaryEmbedding.apply(q.view(t, -1, d), k.view(t, -1, d), self.cos_sin)
+        q, k = RotaryEmbedding.rotate(q.view(t, -1, d), k.view(t, -1, d), self.cos_sin)
         return q, k, v.reshape(t, -1, d)
 
 

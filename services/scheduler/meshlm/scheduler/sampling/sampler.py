@@ -234,7 +234,7 @@ class Sampler:
 
         b, dev = probs.shape[0], probs.device
         unseeded = [i for i in sampled if info.seeds[i] is None]
-        seeded = [i for i in sampled if info.seeds[i] is not None]
+        seeded = [(i, seed) for i in sampled if (seed := info.seeds[i]) is not None]
         if len(unseeded) == b:
             next_ids = _draw(probs, torch.rand(b, device=dev))
         else:
@@ -244,9 +244,10 @@ class Sampler:
                 next_ids[rows] = _draw(probs[rows], torch.rand(len(unseeded), device=dev))
         if seeded and positions is None:
             raise ValueError("positions are required when a request has a sampling_seed")
-        for i in seeded:
+        for i, seed in seeded:
+            assert positions is not None  # checked above
             gen = torch.Generator(device=dev)
-            gen.manual_seed(step_seed(int(info.seeds[i]), int(positions[i])))  # type: ignore[index]
+            gen.manual_seed(step_seed(int(seed), int(positions[i])))
             next_ids[i] = _draw(probs[i : i + 1], torch.rand(1, generator=gen, device=dev))[0]
         greedy = [i for i, g in enumerate(info.is_greedy_cpu) if g]
         if greedy:

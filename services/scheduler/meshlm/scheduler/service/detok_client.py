@@ -183,7 +183,7 @@ class DetokenizerPushClient(PeerStream):
             await call
             return "closed by the detokenizer"
         except grpc.RpcError as e:
-            return f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+            return f"{e.code().name}: {e.details()}"
 
     def _discard_queue(self) -> None:
         while True:

@@ -82,7 +82,11 @@ class RequestObserver:
         t.spans_emitted.add(phase)
         sent = t.sent
         assert sent is not None  # spans follow token outputs only
-        attrs = {"meshlm.rid": t.rid, "meshlm.origin": t.origin, "meshlm.scheduler_id": self.scheduler_id}
+        attrs: dict[str, str | int] = {
+            "meshlm.rid": t.rid,
+            "meshlm.origin": t.origin,
+            "meshlm.scheduler_id": self.scheduler_id,
+        }
         if phase == "prefill":
             attrs["meshlm.prompt_tokens"] = sent.prompt_tokens
             attrs["meshlm.cached_tokens"] = sent.cached_tokens

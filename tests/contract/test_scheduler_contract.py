@@ -16,6 +16,7 @@ from meshlm.common import protocol
 from meshlm.common.protocol import PROTOCOL_VERSION
 from meshlm.scheduler.service.config import SchedulerServiceConfig
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.spans import capture_spans
 
 from .scheduler_harness import (
     PROMPT,
@@ -317,19 +318,7 @@ def test_session_turn_must_follow_a_finished_turn(tok: TokenizerStream, detok: R
 
 # ---- tracing ----------------------------------------------------------------------------------
 def test_phase_spans_are_children_of_the_request_trace(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        pytest.skip("another tracer provider is installed in this process")
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter = capture_spans()
     tok.generate(
         "traced", PROMPT, sampling_params=greedy(5), stream=True, trace=common_pb2.TraceContext(traceparent=TRACEPARENT)
     )

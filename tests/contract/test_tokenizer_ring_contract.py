@@ -19,6 +19,7 @@ from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.service import start_server
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from tests.spans import capture_spans
 
 from .tokenizer_ring import CODE, chat_prompt, free_port, gen_list, ring, ring_ready, text_prompt, wait_for
 
@@ -214,19 +215,7 @@ def test_admission_limit_and_drain(tok):
 
 
 def test_spans_continue_the_caller_trace_and_travel_with_the_request(tok):
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        pytest.skip("another tracer provider is installed in this process")
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter = capture_spans()
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     parent = "00f067aa0ba902b7"
 

@@ -7,10 +7,7 @@ import asyncio
 import logging
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tests.spans import capture_spans
 
 from meshlm.detokenizer.decoder import TokenizerDecoder
 from meshlm.detokenizer.manager import DetokenizerManager
@@ -199,12 +196,7 @@ def test_lost_state_finishes_with_an_error(decoder) -> None:
 
 
 def test_detokenize_span_is_child_of_request_trace_and_metrics(decoder) -> None:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))  # type: ignore[attr-defined]
+    exporter = capture_spans()
     metrics = DetokenizerMetrics()
     m = DetokenizerManager(decoder, metrics=metrics)
     m.subscribe("t1")

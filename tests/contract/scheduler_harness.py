@@ -6,14 +6,18 @@
   stands where a detokenizer sits, not a mock of our detokenizer);
 * TokenizerStream: one Connect stream driven like a tokenizer replica would;
 * ServiceThread: a SchedulerServer running on its own asyncio loop in a thread;
-* PROMPT, greedy, engine_config, wait_idle: what the contract tests send and wait for.
+* PROMPT, greedy, engine_config, wait_idle: what the contract tests send and wait for;
+* free_port, scheduler_process: `python -m meshlm.scheduler` on a free loopback port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -272,3 +276,19 @@ def wait_idle(t: TokenizerStream, timeout: float = 2.0, call_base: int = 9000) -
         return load if load.num_running_reqs == 0 and load.num_queue_reqs == 0 and load.num_used_tokens == 0 else None
 
     return wait_until(idle, timeout, "the scheduler to be idle with its KV free", interval=0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scheduler_process(
+    port: int, scheduler_id: str, model: str, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`python -m meshlm.scheduler` serving `model` on 127.0.0.1:port (no load progress, warnings
+    only), with more flags; env: the process's environment (default: this one's)."""
+    argv = [sys.executable, "-m", "meshlm.scheduler", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--scheduler-id", scheduler_id, "--model-path", model, "--no-load-progress", *flags]
+    return subprocess.Popen([*argv, "--log-level", "warning"], env=env if env is not None else os.environ.copy())

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -26,7 +24,9 @@ from .scheduler_harness import (
     TokenizerStream,
     build_tiny_llama,
     engine_config,
+    free_port,
     greedy,
+    scheduler_process,
     wait_idle,
     wait_process_serving,
     wait_until,
@@ -134,44 +134,23 @@ def test_loop_crash_fails_requests_and_stops_the_service(tiny_llama: str) -> Non
 
 
 # ---- the process: python -m meshlm.scheduler, env flags, metrics, SIGTERM drain -----------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_process_serves_metrics_and_drains_on_sigterm(tiny_llama: str) -> None:
     d = RecordingDetokenizer()
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     env = {
         **os.environ,
         "MESHLM_SCHEDULER_MAX_TOTAL_TOKENS": "3000",  # engine flag from the environment
         "MESHLM_SCHEDULER_DETOKENIZER_ADDRS": d.address,
         "MESHLM_SCHEDULER_LOAD_REPORT_INTERVAL_S": "0.2",
     }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshlm.scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--scheduler-id",
-            "sched-proc",
-            "--model-path",
-            tiny_llama,
-            "--no-load-progress",
-            "--metrics-port",
-            str(metrics_port),
-            "--grace-period-s",
-            "60",
-            "--log-level",
-            "warning",
-        ],
+    proc = scheduler_process(
+        port,
+        "sched-proc",
+        tiny_llama,
+        "--metrics-port",
+        str(metrics_port),
+        "--grace-period-s",
+        "60",
         env=env,
     )
     address = f"127.0.0.1:{port}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +17,16 @@ from meshlm.scheduler.engine import Engine
 from meshlm.v1 import common_pb2
 
 from .scheduler_harness import (
+    PROMPT,
     RecordingDetokenizer,
     TokenizerStream,
     build_tiny_llama,
+    free_port,
+    greedy,
+    scheduler_process,
     wait_process_serving,
     wait_until,
 )
-from .test_scheduler_contract import PROMPT, _free_port, greedy
 
 NEW_TOKENS = 12
 
@@ -70,33 +72,19 @@ def _running(pid: int) -> bool:
 
 
 def _start(model: str, detok: RecordingDetokenizer) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshlm.scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--scheduler-id",
-            "sched-tp",
-            "--model-path",
-            model,
-            "--no-load-progress",
-            "--tp-size",
-            "2",
-            "--max-total-tokens",
-            "3000",
-            "--detokenizer-addrs",
-            detok.address,
-            "--grace-period-s",
-            "30",
-            "--log-level",
-            "warning",
-        ],
-        env=os.environ.copy(),
+    port = free_port()
+    proc = scheduler_process(
+        port,
+        "sched-tp",
+        model,
+        "--tp-size",
+        "2",
+        "--max-total-tokens",
+        "3000",
+        "--detokenizer-addrs",
+        detok.address,
+        "--grace-period-s",
+        "30",
     )
     address = f"127.0.0.1:{port}"
     wait_process_serving(proc, address, "the TP scheduler process to serve")

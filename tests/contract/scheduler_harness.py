@@ -7,6 +7,7 @@
 * TokenizerStream: one Connect stream driven like a tokenizer replica would;
 * ServiceThread: a SchedulerServer running on its own asyncio loop in a thread;
 * PROMPT, greedy, engine_config, wait_idle: what the contract tests send and wait for;
+* tiny_service: a ServiceThread of the tiny model on a free loopback port;
 * free_port, scheduler_process: `python -m meshlm.scheduler` on a free loopback port.
 """
 
@@ -30,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common import protocol
 from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.service.config import SchedulerServiceConfig
 from meshlm.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -292,3 +294,19 @@ def scheduler_process(
     argv = [sys.executable, "-m", "meshlm.scheduler", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--scheduler-id", scheduler_id, "--model-path", model, "--no-load-progress", *flags]
     return subprocess.Popen([*argv, "--log-level", "warning"], env=env if env is not None else os.environ.copy())
+
+
+def tiny_service(model: str, scheduler_id: str, detokenizer_addrs: tuple[str, ...], **config: Any) -> ServiceThread:
+    """A scheduler service of `model` (engine_config) on a free loopback port; config: more
+    SchedulerServiceConfig fields."""
+    svc = SchedulerServiceConfig(
+        host="127.0.0.1", port=0, scheduler_id=scheduler_id, detokenizer_addrs=detokenizer_addrs, **config
+    )
+    return ServiceThread(svc, engine_config(model))
+
+
+def kill_process(proc: subprocess.Popen) -> None:
+    """Kill and reap the process if it still runs."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from meshlm.common import protocol
 from meshlm.common.protocol import PROTOCOL_VERSION
-from meshlm.scheduler.service.config import SchedulerServiceConfig
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.spans import capture_spans
 
@@ -25,8 +24,8 @@ from .scheduler_harness import (
     ServiceThread,
     TokenizerStream,
     build_tiny_llama,
-    engine_config,
     greedy,
+    tiny_service,
     wait_idle,
     wait_until,
 )
@@ -48,14 +47,7 @@ def detok() -> Iterator[RecordingDetokenizer]:
 
 @pytest.fixture(scope="module")
 def service(tiny_llama: str, detok: RecordingDetokenizer) -> Iterator[ServiceThread]:
-    svc = SchedulerServiceConfig(
-        host="127.0.0.1",
-        port=0,
-        scheduler_id="sched-test",
-        detokenizer_addrs=(detok.address,),
-        load_report_interval_s=0.2,
-    )
-    s = ServiceThread(svc, engine_config(tiny_llama))
+    s = tiny_service(tiny_llama, "sched-test", (detok.address,), load_report_interval_s=0.2)
     yield s
     s.stop()
 

@@ -13,20 +13,19 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from meshlm.scheduler.service.config import SchedulerServiceConfig
 from meshlm.v1 import common_pb2
 
 from .scheduler_harness import (
     PROMPT,
     SERVICE,
     RecordingDetokenizer,
-    ServiceThread,
     TokenizerStream,
     build_tiny_llama,
-    engine_config,
     free_port,
     greedy,
+    kill_process,
     scheduler_process,
+    tiny_service,
     wait_idle,
     wait_process_serving,
     wait_until,
@@ -41,13 +40,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm_path: str) -> st
 # ---- detokenizer fail-over --------------------------------------------------------------------
 def test_detokenizer_failover_resyncs_and_completes(tiny_llama: str) -> None:
     d1, d2 = RecordingDetokenizer(), RecordingDetokenizer()
-    svc = SchedulerServiceConfig(
-        host="127.0.0.1",
-        port=0,
-        scheduler_id="sched-failover",
-        detokenizer_addrs=(d1.address, d2.address),
-    )
-    service = ServiceThread(svc, engine_config(tiny_llama))
+    service = tiny_service(tiny_llama, "sched-failover", (d1.address, d2.address))
     tok = TokenizerStream(service.address, "tok-failover")
     try:
         active, standby = wait_until(
@@ -86,14 +79,7 @@ def test_detokenizer_failover_resyncs_and_completes(tiny_llama: str) -> None:
 def test_no_detokenizer_fails_requests_with_unavailable(tiny_llama: str) -> None:
     dead = RecordingDetokenizer()
     dead.kill()  # nothing listens there any more
-    svc = SchedulerServiceConfig(
-        host="127.0.0.1",
-        port=0,
-        scheduler_id="sched-nodetok",
-        detokenizer_addrs=(dead.address,),
-        detokenizer_timeout_s=1.0,
-    )
-    service = ServiceThread(svc, engine_config(tiny_llama))
+    service = tiny_service(tiny_llama, "sched-nodetok", (dead.address,), detokenizer_timeout_s=1.0)
     tok = TokenizerStream(service.address, "tok-nodetok")
     try:
         t0 = time.monotonic()
@@ -111,8 +97,7 @@ def test_no_detokenizer_fails_requests_with_unavailable(tiny_llama: str) -> None
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_loop_crash_fails_requests_and_stops_the_service(tiny_llama: str) -> None:
     d = RecordingDetokenizer()
-    svc = SchedulerServiceConfig(host="127.0.0.1", port=0, scheduler_id="sched-crash", detokenizer_addrs=(d.address,))
-    service = ServiceThread(svc, engine_config(tiny_llama))
+    service = tiny_service(tiny_llama, "sched-crash", (d.address,))
     tok = TokenizerStream(service.address, "tok-crash")
     try:
         runtime = service.server.runtime
@@ -209,7 +194,5 @@ def test_process_serves_metrics_and_drains_on_sigterm(tiny_llama: str) -> None:
     finally:
         if tok is not None:
             tok.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_process(proc)
         d.kill()

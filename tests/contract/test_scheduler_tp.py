@@ -23,6 +23,7 @@ from .scheduler_harness import (
     build_tiny_llama,
     free_port,
     greedy,
+    kill_process,
     scheduler_process,
     wait_process_serving,
     wait_until,
@@ -126,9 +127,7 @@ def test_tp2_service_serves_and_exits_cleanly_on_sigterm(tiny_llama: str, detok:
     finally:
         if tok is not None:
             tok.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_process(proc)
 
 
 def test_tp_ranks_exit_when_rank_0_is_killed(tiny_llama: str, detok: RecordingDetokenizer) -> None:
@@ -142,6 +141,4 @@ def test_tp_ranks_exit_when_rank_0_is_killed(tiny_llama: str, detok: RecordingDe
         wait_until(lambda: not any(_running(p) for p in ranks), 15, "the orphaned ranks to exit")
         assert time.monotonic() - t0 < 15
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_process(proc)

@@ -148,7 +148,8 @@ class Scheduler:
         assert fb is not None
         batch.pending_fb = None
         if fb.forward_mode.is_extend():
-            self.stats.extend_tokens += sum(fb.extend_seq_lens_cpu)
+            # A mixed batch's decoding requests add one decode token each, not prefill work.
+            self.stats.extend_tokens += sum(fb.extend_seq_lens_cpu) - len(batch.decoding_reqs)
         if batch.forward_mode is ForwardMode.EMBED:
             t0 = time.perf_counter()
             embeddings = self.tp_worker.forward_batch_embedding(fb)

@@ -60,21 +60,25 @@ def test_same_tokens_under_config(smollm_path: str, golden, overrides: dict) -> 
         assert_pools_whole(eng)
 
 
-def test_small_pool_forces_retraction(smollm_path: str, golden) -> None:
+@pytest.mark.parametrize("chunk", [2048, 16], ids=["default-chunk", "chunk16"])
+def test_small_pool_forces_retraction(smollm_path: str, golden, chunk: int) -> None:
     # 16 requests of ~10-40 prompt tokens + 32 outputs need ~1100 slots. With a low
     # conservativeness, admission reserves almost nothing for future outputs, so decoding in a
-    # 320-slot pool runs out and must retract (and later recompute) requests.
+    # 320-slot pool runs out and must retract (and later recompute) requests; the decode steps
+    # of running requests also ride in the prefill batches (mixed chunk, the default).
     many = (golden * 2)[:16]
     with Engine(
         dtype="float32",
         model_path=smollm_path,
         max_total_tokens=320,
         schedule_conservativeness=0.05,
+        chunked_prefill_size=chunk,
         load_progress=False,
     ) as eng:
         results = run_all(eng, many)
         assert [r["output_ids"] for r in results] == [g.output_ids for g in many]
         assert eng.scheduler.stats.num_retracted > 0
+        assert eng.scheduler.stats.mixed_decode_tokens > 0
         assert_pools_whole(eng)
 
 

@@ -85,55 +85,55 @@ static int find_scale(const float *w, float estimate, float m, int lo, int hi, f
     return 0;
 }
 
-int meshlm_q4_1_recover(const float *w, int64_t N, int K, float *d, float *mins, uint8_t *q,
-                        int num_threads) {
+/* Q4_1 block b: the minimum quantizes to 0 (w = m exactly), the maximum to 15. */
+static int q4_1_block(const float *wb, int64_t b, float *d, float *mins, void *quants) {
+    float lo = wb[0], hi = wb[0];
+    for (int j = 1; j < QK; j++) {
+        lo = wb[j] < lo ? wb[j] : lo;
+        hi = wb[j] > hi ? wb[j] : hi;
+    }
+    int qs[QK];
+    if (!find_scale(wb, (hi - lo) / 15.f, lo, 0, 15, &d[b], qs)) return 0;
+    mins[b] = lo;
+    uint8_t *q = (uint8_t *)quants + b * 16;
+    for (int j = 0; j < QK / 2; j++) q[j] = (uint8_t)(qs[j] | (qs[j + 16] << 4));
+    return 1;
+}
+
+/* Q8_0 block b: the element of largest magnitude quantizes to +-127. */
+static int q8_0_block(const float *wb, int64_t b, float *d, float *mins, void *quants) {
+    (void)mins;
+    float amax = 0.f;
+    for (int j = 0; j < QK; j++) amax = fabsf(wb[j]) > amax ? fabsf(wb[j]) : amax;
+    int qs[QK];
+    if (!find_scale(wb, amax / 127.f, 0.f, -127, 127, &d[b], qs)) return 0;
+    int8_t *q = (int8_t *)quants + b * QK;
+    for (int j = 0; j < QK; j++) q[j] = (int8_t)qs[j];
+    return 1;
+}
+
+typedef int (*block_fn)(const float *wb, int64_t b, float *d, float *mins, void *quants);
+
+/* Every block of w [N, K] through `fit`; nonzero when one is not exactly representable. */
+static int recover(block_fn fit, const float *w, int64_t N, int K, float *d, float *mins, void *quants,
+                   int num_threads) {
     if (K <= 0 || K % QK) return 2;
     const int64_t blocks = N * (K / QK);
     int bad = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : bad)
     for (int64_t b = 0; b < blocks; b++) {
-        if (bad) continue;
-        const float *wb = w + b * QK;
-        float lo = wb[0], hi = wb[0];
-        for (int j = 1; j < QK; j++) {
-            lo = wb[j] < lo ? wb[j] : lo;
-            hi = wb[j] > hi ? wb[j] : hi;
-        }
-        /* The block minimum quantizes to 0 (w = m exactly), the maximum to 15. */
-        int qs[QK];
-        float db;
-        if (!find_scale(wb, (hi - lo) / 15.f, lo, 0, 15, &db, qs)) {
-            bad = 1;
-            continue;
-        }
-        d[b] = db;
-        mins[b] = lo;
-        for (int j = 0; j < QK / 2; j++) q[b * 16 + j] = (uint8_t)(qs[j] | (qs[j + 16] << 4));
+        if (!bad && !fit(w + b * QK, b, d, mins, quants)) bad = 1;
     }
     return bad;
 }
 
+int meshlm_q4_1_recover(const float *w, int64_t N, int K, float *d, float *mins, uint8_t *q,
+                        int num_threads) {
+    return recover(q4_1_block, w, N, K, d, mins, q, num_threads);
+}
+
 int meshlm_q8_0_recover(const float *w, int64_t N, int K, float *d, int8_t *q, int num_threads) {
-    if (K <= 0 || K % QK) return 2;
-    const int64_t blocks = N * (K / QK);
-    int bad = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : bad)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (bad) continue;
-        const float *wb = w + b * QK;
-        float amax = 0.f;
-        for (int j = 0; j < QK; j++) amax = fabsf(wb[j]) > amax ? fabsf(wb[j]) : amax;
-        int qs[QK];
-        float db;
-        /* The element of largest magnitude quantizes to +-127. */
-        if (!find_scale(wb, amax / 127.f, 0.f, -127, 127, &db, qs)) {
-            bad = 1;
-            continue;
-        }
-        d[b] = db;
-        for (int j = 0; j < QK; j++) q[b * QK + j] = (int8_t)qs[j];
-    }
-    return bad;
+    return recover(q8_0_block, w, N, K, d, NULL, q, num_threads);
 }
 
 #ifdef HAVE_AVX2

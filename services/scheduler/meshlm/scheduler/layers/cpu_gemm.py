@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from meshlm.scheduler.kernels.gemv import MAX_ROWS
+
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemv import GemvOps, GemvWeight
 
@@ -71,7 +73,7 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().contiguous()
         use_gemv = gemv_ops is not None and weight.dtype == torch.float32
         self.gemv_ops = gemv_ops if use_gemv else None
-        self.small: GemvWeight | None = gemv_ops.build(weight) if gemv_ops is not None and use_gemv else None
+        self.small: GemvWeight | None = gemv_ops.build(weight) if use_gemv and gemv_ops is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -92,7 +94,7 @@ class PackedLinear:
         for sampling, is left untouched."""
         gen = torch.Generator().manual_seed(0)
         tol = 1e-3 if self.dtype == torch.float32 else 5e-2
-        small = self.small.max_rows if self.small is not None else 4
+        small = self.small.max_rows if self.small is not None else MAX_ROWS["f32"]
         for rows in (small - 1, 2 * small + 1):  # both paths when gemv is on
             x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
             want = torch.nn.functional.linear(x, weight, bias).float()

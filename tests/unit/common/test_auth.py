@@ -149,7 +149,8 @@ def test_bearer_tokens_on_every_call_kind_health_and_reflection_open() -> None:
     async def run() -> None:
         echo = Echo()
         auth = AuthConfig(api_key=KEY, internal_token=TOKEN)
-        server = GrpcServer(["test.Public", "test.Internal"], "127.0.0.1", 0, auth=auth, public_services=["test.Public"])
+        services = ["test.Public", "test.Internal"]
+        server = GrpcServer(services, "127.0.0.1", 0, auth=auth, public_services=["test.Public"])
         echo.register(server.server)
         address = f"127.0.0.1:{await server.start()}"
         try:

@@ -210,3 +210,23 @@ def test_without_secrets_everything_is_open_and_only_the_key_guards_the_public_a
             await keyed.drain(0.1)
 
     asyncio.run(run())
+
+
+# ---- meshlm launch: secrets by environment, never argv ------------------------------------------
+def test_launch_plan_passes_secrets_by_environment_only() -> None:
+    from meshlm.launch.launcher import LaunchPlan, child_env, plan_children
+
+    plan = LaunchPlan(model_path="/m", tokenizer_path="/m", api_key=KEY, decode_dp_size=1).with_internal_token()
+    token = plan.internal_token
+    assert token and len(token) >= 32 and KEY not in repr(plan) and token not in repr(plan)
+    assert LaunchPlan(model_path="/m", tokenizer_path="/m").with_internal_token().internal_token is None
+    inherited = {"PATH": "/bin", "MESHLM_TOKENIZER_API_KEY_FILE": "/stale", "MESHLM_SCHEDULER_INTERNAL_TOKEN": "old"}
+    children = plan_children(plan)
+    assert {c.component for c in children} == {"gateway", "tokenizer", "scheduler", "detokenizer"}
+    for child in children:
+        assert not any(KEY in a or token in a for a in child.argv), child.name
+        env = child_env(inherited, child)
+        prefix = f"MESHLM_{child.component.upper()}_"
+        assert env[prefix + "INTERNAL_TOKEN"] == token and env["PATH"] == "/bin"
+        assert env.get(prefix + "API_KEY") == (KEY if child.component in ("gateway", "tokenizer") else None)
+        assert prefix + "API_KEY_FILE" not in env  # the plan alone decides the children's auth

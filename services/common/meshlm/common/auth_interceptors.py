@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,11 +103,14 @@ Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandl
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc has no stubs
     """Checks every call's bearer token against its service's requirement (module docstring)."""
 
+    LOG_EVERY_S = 60.0  # a refused internal call is logged at most this often per method
+
     def __init__(
         self, public_services: Sequence[str], public: Requirement | None, internal: Requirement | None
     ) -> None:
         self.public_services = frozenset(public_services)
         self.public, self.internal = public, internal
+        self._logged: dict[str, float] = {}  # method -> when its last refusal was logged
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -121,7 +125,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         if why is None or handler is None:
             return handler
         assert need is not None
-        if need is self.internal:
+        now = time.monotonic()
+        if need is self.internal and now - self._logged.get(method, -self.LOG_EVERY_S) >= self.LOG_EVERY_S:
+            self._logged[method] = now  # a misconfiguration is worth a line; a flood of probes is not
             logger.warning("refused %s: %s (is every component given the same internal token?)", method, why)
         return _refuse(handler, f"{service} requires the {need.wants}: {why}")
 

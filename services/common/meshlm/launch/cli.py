@@ -88,6 +88,9 @@ def _launch(args: argparse.Namespace) -> int:
         )
     model = resolve_model_path(config.model_path)
     gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
+    tokenizer_args = ["--routing-policy", args.routing_policy]
+    if args.tokenizer_max_queued_requests is not None:
+        tokenizer_args += ["--max-queued-requests", str(args.tokenizer_max_queued_requests)]
     plan = LaunchPlan(
         model_path=str(model),
         tokenizer_path=str(config.tokenizer_path or model),
@@ -99,7 +102,7 @@ def _launch(args: argparse.Namespace) -> int:
         tokenizer_replicas=args.tokenizer_replicas,
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
-        tokenizer_args=("--routing-policy", args.routing_policy),
+        tokenizer_args=tuple(tokenizer_args),
         gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
@@ -160,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer processes (default: 1)")
     lau.add_argument("--detokenizer-replicas", type=int, default=1, help="detokenizer processes (default: 1)")
     lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")
+    lau.add_argument(
+        "--tokenizer-max-queued-requests",
+        type=int,
+        default=None,
+        help="most requests in flight per tokenizer replica (its --max-queued-requests); more get HTTP 503 "
+        "with Retry-After / RESOURCE_EXHAUSTED at once. The engine flag --max-queued-requests caps each "
+        "scheduler's waiting queue the same way (default: the tokenizer's 4096)",
+    )
     lau.add_argument("--api-key", default=None, help="require this API key at the gateway")
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host

@@ -279,6 +279,11 @@ class TokenizerPool:
         request = tokenizer_pb2.GetServerInfoRequest()
         return await self._unary(lambda stub, t: stub.GetServerInfo(request, timeout=t), timeout=timeout)
 
+    async def get_loads(
+        self, request: tokenizer_pb2.GetLoadsRequest, *, timeout: float
+    ) -> tokenizer_pb2.GetLoadsResponse:
+        return await self._unary(lambda stub, t: stub.GetLoads(request, timeout=t), timeout=timeout)
+
     async def flush_cache(self, *, timeout: float) -> tokenizer_pb2.FlushCacheResponse:
         request = tokenizer_pb2.FlushCacheRequest()
         return await self._unary(lambda stub, t: stub.FlushCache(request, timeout=t), timeout=timeout)

@@ -18,6 +18,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshlm.launch.launcher import LaunchPlan
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -70,9 +74,10 @@ def _engine_args(config: object) -> list[str]:
     return out
 
 
-def _launch(args: argparse.Namespace) -> int:
+def launch_plan(args: argparse.Namespace) -> LaunchPlan:
+    """What `meshlm launch` starts, from its parsed flags."""
     from meshlm.common.tls import TlsConfig
-    from meshlm.launch.launcher import LaunchPlan, launch
+    from meshlm.launch import launcher
     from meshlm.scheduler.config import SchedulerConfig
     from meshlm.scheduler.model_loader import resolve_model_path
 
@@ -91,7 +96,7 @@ def _launch(args: argparse.Namespace) -> int:
     tokenizer_args = ["--routing-policy", args.routing_policy]
     if args.tokenizer_max_queued_requests is not None:
         tokenizer_args += ["--max-queued-requests", str(args.tokenizer_max_queued_requests)]
-    plan = LaunchPlan(
+    return launcher.LaunchPlan(
         model_path=str(model),
         tokenizer_path=str(config.tokenizer_path or model),
         host=args.host,
@@ -108,6 +113,12 @@ def _launch(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         tls=tls,
     )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from meshlm.launch.launcher import launch
+
+    plan = launch_plan(args)
     system = launch(plan)
     print(f"meshlm is serving: HTTP {system.http_url}  gRPC {system.grpc_address}", flush=True)
     stop = {"now": False}

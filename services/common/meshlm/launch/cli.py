@@ -3,6 +3,7 @@
 meshlm launch [flags] [engine flags]
     Start gateway, tokenizer, scheduler and detokenizer as separate processes on loopback
     (the HTTP API on --port, the public gRPC API on --grpc-port); Ctrl-C stops them all.
+    --api-key-file (or MESHLM_API_KEY) guards both APIs; the services get it by environment.
 meshlm serve gateway|tokenizer|scheduler|detokenizer [flags]
     Run one component in this process (the container entrypoint); `--help` lists its flags
     (each also readable from MESHLM_<COMPONENT>_<FLAG> environment variables).
@@ -54,6 +55,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 COMPONENTS = ("gateway", "tokenizer", "scheduler", "detokenizer")
+LAUNCH_ENV_PREFIX = "MESHLM_"  # `meshlm launch` reads MESHLM_API_KEY, MESHLM_INTERNAL_TOKEN_FILE, ...
 
 
 def _engine_args(config: object) -> list[str]:
@@ -76,6 +78,7 @@ def _engine_args(config: object) -> list[str]:
 
 def launch_plan(args: argparse.Namespace) -> LaunchPlan:
     """What `meshlm launch` starts, from its parsed flags."""
+    from meshlm.common.auth import AuthConfig
     from meshlm.common.tls import TlsConfig
     from meshlm.launch import launcher
     from meshlm.scheduler.config import SchedulerConfig
@@ -84,6 +87,7 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
     config = SchedulerConfig.from_cli_args(args)
     try:
         tls = TlsConfig.from_cli_args(args)
+        auth = AuthConfig.from_cli_args(args, public=True)
     except ValueError as e:
         raise SystemExit(f"meshlm launch: {e}") from None
     if config.disaggregation_mode != "null":
@@ -92,7 +96,6 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
             "(it sets each scheduler's --disaggregation-mode)"
         )
     model = resolve_model_path(config.model_path)
-    gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
     tokenizer_args = ["--routing-policy", args.routing_policy]
     if args.tokenizer_max_queued_requests is not None:
         tokenizer_args += ["--max-queued-requests", str(args.tokenizer_max_queued_requests)]
@@ -108,10 +111,11 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
         tokenizer_args=tuple(tokenizer_args),
-        gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
         tls=tls,
+        api_key=auth.api_key_value,
+        internal_token=auth.internal_token_value,
     )
 
 
@@ -149,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default="warning", help="logging level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts with the in-process engine", parents=[common])
+    from meshlm.common.auth import add_auth_cli_args
     from meshlm.common.tls import add_tls_cli_args
     from meshlm.launch.engine_flags import add_engine_flags
 
@@ -182,9 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with Retry-After / RESOURCE_EXHAUSTED at once. The engine flag --max-queued-requests caps each "
         "scheduler's waiting queue the same way (default: the tokenizer's 4096)",
     )
-    lau.add_argument("--api-key", default=None, help="require this API key at the gateway")
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host
+    # The API key guards the gateway and the tokenizers' gRPC API; the internal token (random
+    # unless given) every link between the services. Children get both by environment, never argv.
+    add_auth_cli_args(lau, LAUNCH_ENV_PREFIX, public=True)
     add_engine_flags(lau)
     lau.set_defaults(func=_launch)
 

@@ -87,9 +87,12 @@ def systems(smollm_path: str) -> Iterator[list[System]]:
             if not isinstance(s, System):
                 raise s
         yield sorted(ok, key=lambda s: s.plan.http_port)
-    finally:
-        for s in ok:
-            s.stop()
+    finally:  # stopped at once too: each stop waits out its services' drain
+        stops = [threading.Thread(target=s.stop) for s in ok]
+        for t in stops:
+            t.start()
+        for t in stops:
+            t.join()
 
 
 @pytest.fixture(scope="module")

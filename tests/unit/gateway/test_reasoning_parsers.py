@@ -123,6 +123,19 @@ def test_constrained_tool_choice_schemas_and_reading():
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
     parts, _ = _message(required, ['[{"name": "echo", "parameters": {"x": 1}}]'])
     assert [(c.function.name, c.function.arguments) for c in parts.message().tool_calls] == [("echo", '{"x": 1}')]
+    # a list cut short by max_tokens: its complete calls, streamed as each one closes; the rest is content
+    parallel = plan_chat(_chat(tools=TOOLS, tool_choice="required"), config)
+    text = '[\n {"name": "add", "parameters": {"a": 2}},\n {"name": "echo", "parameters": {}},\n {"name": "add", "para'
+    parts, deltas = _message(parallel, [text[i : i + 5] for i in range(0, len(text), 5)])
+    assert [(c.function.name, c.function.arguments) for c in parts.message().tool_calls] == [
+        ("add", '{"a": 2}'),
+        ("echo", "{}"),
+    ]
+    assert parts.message().content == '{"name": "add", "para'
+    first_echo = next(i for i, d in enumerate(deltas) for tc in d.tool_calls or [] if tc.function.name == "echo")
+    assert first_echo < len(deltas) - 1  # emitted before the end of the output
+    parts, _ = _message(parallel, ["no list here"])
+    assert parts.message().content == "no list here" and parts.message().tool_calls is None
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from meshlm.gateway.function_call.base import ToolCall, ToolCallParser, call_of
+from meshlm.gateway.function_call.json_scan import value_end
 
 
 def new_call_id() -> str:
@@ -132,25 +133,58 @@ class NamedCallStream(CallStream):
 
 @dataclass
 class RequiredCallStream(CallStream):
-    """tool_choice required: the output is a JSON list of {"name", "parameters"}; decided at the
-    end (text that is not such a list, e.g. cut by max_tokens, is content)."""
+    """tool_choice required: the output is a JSON list of {"name", "parameters"}. Each item is a
+    call as soon as it is complete, so a list cut short by max_tokens still gives its complete
+    calls; what cannot be read as calls (an unfinished last item, or no list at all) is content."""
 
     buffer: str = ""
+    at: int = 0  # buffer[:at] is decided
+    opened: bool = False
+    closed: bool = False
+
+    def _skip(self, chars: str) -> None:
+        while self.at < len(self.buffer) and (self.buffer[self.at].isspace() or self.buffer[self.at] in chars):
+            self.at += 1
+
+    def _read(self) -> list[Piece]:
+        out: list[Piece] = []
+        while not self.closed:
+            self._skip("")
+            if self.at >= len(self.buffer):
+                break
+            if not self.opened:
+                if self.buffer[self.at] != "[":
+                    break
+                self.opened, self.at = True, self.at + 1
+                continue
+            self._skip(",")
+            if self.at >= len(self.buffer):
+                break
+            if self.buffer[self.at] == "]":
+                self.closed, self.at = True, self.at + 1
+                break
+            if self.buffer[self.at] != "{":
+                break
+            end = value_end(self.buffer, self.at)
+            if end is None:
+                break
+            try:
+                call = call_of(json.loads(self.buffer[self.at : end]), ("parameters", "arguments"))
+            except ValueError:
+                call = None
+            if call is None:
+                break
+            out += self._start(call, whole=True)
+            self.at = end
+        return out
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text
-        return []
+        return self._read()
 
     def finish(self) -> list[Piece]:
-        try:
-            value = json.loads(self.buffer)
-        except ValueError:
-            value = None
-        calls = [call_of(v, ("parameters", "arguments")) for v in value] if isinstance(value, list) else []
-        if not calls or any(c is None for c in calls):
-            return self._text(self.buffer)
-        out: list[Piece] = []
-        for call in calls:
-            if call is not None:
-                out += self._start(call, whole=True)
-        return out
+        out = self._read()
+        rest = self.buffer[self.at :]
+        if not self.calls:
+            rest = self.buffer  # not a list of calls at all: all of it is content
+        return out + self._text(rest if rest.strip() else "")

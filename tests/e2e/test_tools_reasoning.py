@@ -180,6 +180,22 @@ def test_reasoning_split_of_the_real_model(tools_system):
     assert (streamed[0].strip() or None, streamed[1].strip()) == want
 
 
+def test_reasoning_split_of_a_think_block(tools_system):
+    """A regex makes the real model write `<think>...</think>answer`: the parts come apart."""
+    body = {
+        "messages": ASK,
+        "max_tokens": 48,
+        "temperature": 0,
+        "regex": r"<think>[a-z ]{4,24}</think>\n\n[A-Z][a-z ]{4,24}\.",
+    }
+    whole, chunks = _raw_chat(tools_system, body)
+    msg = whole["choices"][0]["message"]
+    assert msg["reasoning_content"] and msg["content"] and "think>" not in msg["reasoning_content"] + msg["content"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas).strip() == msg["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas).strip() == msg["content"]
+
+
 def _calls_of(whole: dict, chunks: list[dict]) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice

@@ -56,20 +56,11 @@ def build_sampling(req: Any, max_new_tokens: int | None, tool_schema: str | None
         regex=req.regex,
         ebnf=req.ebnf,
     )
-    fmt = req.response_format
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind == "json_object":
-            values["json_schema"] = values["json_schema"] or '{"type": "object"}'
-        elif kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise bad_request("response_format.json_schema.schema must be an object", "response_format")
-            values["json_schema"] = json.dumps(schema)
-        elif kind != "text":
-            raise bad_request(
-                f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format"
-            )
+    constraint = response_format_schema(req.response_format)
+    if constraint is not None:
+        if values["regex"] is not None or values["ebnf"] is not None:
+            raise bad_request("response_format cannot be combined with regex or ebnf", "response_format")
+        values["json_schema"] = constraint  # as in SGLang, response_format wins over json_schema
     if tool_schema is not None:
         given = [k for k in ("json_schema", "regex", "ebnf") if values.get(k)]
         if given:
@@ -81,6 +72,33 @@ def build_sampling(req: Any, max_new_tokens: int | None, tool_schema: str | None
         return sampling_params(values)
     except (ValueError, TypeError) as e:
         raise bad_request(f"invalid sampling parameters: {e}") from None
+
+
+OBJECT = '{"type": "object"}'  # json_object, as SGLang maps it
+
+
+def response_format_schema(fmt: dict[str, Any] | None) -> str | None:
+    """OpenAI response_format as SGLang's sampling_params.json_schema: text = None, json_object
+    = any JSON object, json_schema = its `schema` (`schema_` accepted too); the scheduler's
+    grammar backend compiles it (an uncompilable schema is its 400)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OBJECT
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request("response_format.json_schema must be an object with a schema", "response_format")
+        schema = spec.get("schema", spec.get("schema_"))
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format.json_schema.schema must be an object", "response_format")
+        return json.dumps(schema)
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
 
 
 async def _detokenize(st: GatewayState, ids: list[int]) -> str:

@@ -24,7 +24,8 @@ ENV_PREFIX = "MESHLM_GATEWAY_"
 @dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
     """The gateway's own fields after the shared ones. Invariants: one or more tokenizer
-    addresses (host:port), request_timeout_s > 0, empty api_key / served_model_name are None."""
+    addresses (host:port), request_timeout_s > 0, stream_stall_timeout_s > 0, empty api_key /
+    served_model_name are None."""
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
     COMPONENT: ClassVar[str] = "gateway"
@@ -39,6 +40,10 @@ class GatewayConfig(ServiceConfig):
             ),
             "served_model_name": Flag("model name of /v1/* (default: the tokenizer's GetModelInfo.served_model_name)"),
             "request_timeout_s": Flag("deadline of one generate/embed call to a tokenizer, in seconds"),
+            "stream_stall_timeout_s": Flag(
+                "seconds an SSE stream may wait for its client to accept data (a client that does not read);"
+                " then the request is aborted and the connection closed"
+            ),
         }
     )
 
@@ -47,6 +52,10 @@ class GatewayConfig(ServiceConfig):
     api_key: str | None = None
     served_model_name: str | None = None
     request_timeout_s: float = 600.0
+    # A streaming client that accepts nothing for this long (its socket buffers full) is dropped
+    # and its request aborted upstream, so a non-reading client holds no KV and no more than the
+    # buffers (uvicorn's 64 KiB + the kernel's) in the gateway.
+    stream_stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         addrs = self.tokenizer_addrs
@@ -62,6 +71,10 @@ class GatewayConfig(ServiceConfig):
         need(
             self.request_timeout_s > 0,
             f"request_timeout_s must be > 0, got {self.request_timeout_s}",
+        )
+        need(
+            self.stream_stall_timeout_s > 0,
+            f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s}",
         )
         for name in ("api_key", "served_model_name"):
             if getattr(self, name) == "":

@@ -28,7 +28,8 @@ ENV_PREFIX = "MESHLM_GATEWAY_"
 @dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
     """The gateway's own fields after the shared ones. Invariants: one or more tokenizer
-    addresses (host:port), request_timeout_s > 0, an empty served_model_name is None."""
+    addresses (host:port), request_timeout_s > 0, stream_stall_timeout_s > 0, an empty
+    served_model_name is None."""
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
     COMPONENT: ClassVar[str] = "gateway"
@@ -52,6 +53,10 @@ class GatewayConfig(ServiceConfig):
             "strict_api": Flag(
                 "reject requests with fields meshlm does not support (400 naming them) instead of logging them"
             ),
+            "stream_stall_timeout_s": Flag(
+                "seconds an SSE stream may wait for its client to accept data (a client that does not read);"
+                " then the request is aborted and the connection closed"
+            ),
         }
     )
 
@@ -62,6 +67,10 @@ class GatewayConfig(ServiceConfig):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     strict_api: bool = False
+    # A streaming client that accepts nothing for this long (its socket buffers full) is dropped
+    # and its request aborted upstream, so a non-reading client holds no KV and no more than the
+    # buffers (uvicorn's 64 KiB + the kernel's) in the gateway.
+    stream_stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         addrs = self.tokenizer_addrs
@@ -88,6 +97,10 @@ class GatewayConfig(ServiceConfig):
         need(
             self.reasoning_parser is None or self.reasoning_parser in STYLES,
             f"reasoning_parser must be one of {', '.join(sorted(STYLES))}, got {self.reasoning_parser!r}",
+        )
+        need(
+            self.stream_stall_timeout_s > 0,
+            f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s}",
         )
 
     @property

@@ -99,6 +99,13 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
     tokenizer_args = ["--routing-policy", args.routing_policy]
     if args.tokenizer_max_queued_requests is not None:
         tokenizer_args += ["--max-queued-requests", str(args.tokenizer_max_queued_requests)]
+    gateway_args: list[str] = []
+    if args.tool_call_parser:
+        gateway_args += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        gateway_args += ["--reasoning-parser", args.reasoning_parser]
+    if args.strict_api:
+        gateway_args.append("--strict-api")
     return launcher.LaunchPlan(
         model_path=str(model),
         tokenizer_path=str(config.tokenizer_path or model),
@@ -111,6 +118,7 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
         tokenizer_args=tuple(tokenizer_args),
+        gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
         tls=tls,
@@ -186,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="most requests in flight per tokenizer replica (its --max-queued-requests); more get HTTP 503 "
         "with Retry-After / RESOURCE_EXHAUSTED at once. The engine flag --max-queued-requests caps each "
         "scheduler's waiting queue the same way (default: the tokenizer's 4096)",
+    )
+    lau.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the gateway's tool-call parser for tool_choice auto: hermes | qwen25 | llama3_json | mistral | pythonic",
+    )
+    lau.add_argument("--reasoning-parser", default=None, help="the gateway's reasoning parser: deepseek-r1 | qwen3")
+    lau.add_argument(
+        "--strict-api", action="store_true", help="the gateway rejects request fields it does not support (400)"
     )
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshlm.common import telemetry
 from meshlm.common.metrics import Metrics
-from meshlm.gateway import native, openai_serving
+from meshlm.gateway import native, native_info, openai_serving
 from meshlm.gateway.config import GatewayConfig
 from meshlm.gateway.errors import error_response, install_error_handlers
 from meshlm.gateway.grpc_client import TokenizerPool
@@ -44,6 +44,9 @@ class GatewayMetrics:
         )
         self.duration = self.metrics.histogram(
             "http_request_duration_seconds", "HTTP request latency (to the last byte)", ("route",)
+        )
+        self.stalled_streams = self.metrics.counter(
+            "stalled_streams_total", "SSE streams dropped because the client did not read (stream_stall_timeout_s)"
         )
 
     def render(self) -> bytes:
@@ -151,6 +154,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
     install_error_handlers(app)
     app.include_router(openai_serving.router)
     app.include_router(native.router)
+    app.include_router(native_info.router)
 
     @app.get("/metrics", tags=["SGLang-native"], response_class=Response)
     async def prometheus_metrics() -> Response:
@@ -161,6 +165,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
     routes = [
         *openai_serving.router.routes,
         *native.router.routes,
+        *native_info.router.routes,
         *(r for r in app.router.routes if hasattr(r, "path")),
     ]
     app.add_middleware(TelemetryMiddleware, metrics=metrics, routes=routes)

@@ -26,7 +26,7 @@ from tests.structured_schemas import (
     schema_text,
 )
 
-from .conftest import GOLDEN_NEW_TOKENS, assert_pools_whole
+from .conftest import GOLDEN_NEW_TOKENS, assert_pools_whole, chat_ids
 
 INVALID = {
     "regex": "[a-",
@@ -160,20 +160,26 @@ def test_compiled_grammars_are_cached_by_key(engine: Engine, mixed_run) -> None:
     assert pool.compiles == distinct
 
 
-def test_retracted_requests_continue_their_grammar(smollm_path: str, golden) -> None:
-    """Every request is constrained, and a 320-slot pool forces retractions mid-output: a
-    retracted request is prefilled again from prompt + outputs with its matcher as it was
-    (it has accepted exactly its output ids) and still ends valid."""
+def test_retracted_requests_continue_their_grammar(smollm_path: str, smollm_tokenizer) -> None:
+    """Every request is constrained, and a 256-slot pool forces retractions mid-output: 16 chat
+    prompts (~45 tokens, ~30 of them a shared system prompt) with 20-35 token outputs are
+    admitted with almost no reserve for their outputs, so decoding runs out of KV. A retracted
+    request is prefilled again from prompt + outputs with its matcher as it was (it has
+    accepted exactly its output ids) and still ends valid."""
     reqs, checks = [], []
-    for i, g in enumerate((golden * 2)[:16]):
-        _, schema = SCHEMAS[i % len(SCHEMAS)]
-        field, text = ("json_schema", schema_text(schema)) if i % 4 else ("regex", REGEXES[i % len(REGEXES)])
-        reqs.append(constrained(g.input_ids, field, text, i, sampled=i % 2 == 1))
-        checks.append((field, text))
+    # Outputs of 20-35 tokens; max_new_tokens 64 (admission charges a new request all of it).
+    picked = [SCHEMAS[k] for k in (3, 15, 19, 11, 0)]
+    for i in range(16):
+        what, schema = picked[i % len(picked)]
+        ids = chat_ids(smollm_tokenizer, prompt_for(what))
+        req = constrained(ids, "json_schema", schema_text(schema), i, sampled=i % 2 == 1)
+        req["sampling_params"]["max_new_tokens"] = 64
+        reqs.append(req)
+        checks.append(("json_schema", schema_text(schema)))
     with Engine(
         dtype="float32",
         model_path=smollm_path,
-        max_total_tokens=320,
+        max_total_tokens=256,
         schedule_conservativeness=0.05,
         load_progress=False,
     ) as eng:

@@ -6,8 +6,9 @@ dropped). `get(key)` never blocks: it returns the key's Future (cached, in fligh
 submitted), which resolves to the compiled template (a BaseGrammarObject) or raises
 InvalidGrammarError; failures are cached as well, so a bad schema sent again fails at once.
 
-The backend itself (an xgrammar / llguidance tokenizer vocabulary: about a second) is built on
-a compile thread as soon as the pool starts, so neither the loop nor the start-up waits for it.
+The backend itself (importing the package and reading the tokenizer's vocabulary: seconds of
+CPU) is built on a compile thread at the first `get`, so a scheduler that never sees a
+constrained request never pays for it, and the loop never waits for it.
 Every finished compile calls `on_done` (the loop's wake-up) and `on_compiled(seconds)` (the
 grammar_compilation_time_seconds histogram) when set. Thread-safe.
 """
@@ -32,7 +33,8 @@ class GrammarCompilePool:
         on_done: Callable[[], None] | None = None,
     ) -> None:
         self._executor = ThreadPoolExecutor(max_workers=max(threads, 1), thread_name_prefix="grammar-compile")
-        self._backend: Future[BaseGrammarBackend] = self._executor.submit(make_backend)
+        self._make_backend = make_backend
+        self._backend: Future[BaseGrammarBackend] | None = None
         self._cache: OrderedDict[GrammarKey, Future[BaseGrammarObject]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -50,6 +52,8 @@ class GrammarCompilePool:
                 self.cache_hits += 1
                 return fut
             self.compiles += 1
+            if self._backend is None:
+                self._backend = self._executor.submit(self._make_backend)
             fut = self._executor.submit(self._compile, key)
             self._cache[key] = fut
             self._evict()
@@ -64,6 +68,7 @@ class GrammarCompilePool:
             del self._cache[old]
 
     def _compile(self, key: GrammarKey) -> BaseGrammarObject:
+        assert self._backend is not None  # submitted before any compile
         backend = self._backend.result()
         t0 = time.perf_counter()
         try:
@@ -73,8 +78,12 @@ class GrammarCompilePool:
                 self.on_compiled(time.perf_counter() - t0)
 
     def backend(self, timeout: float | None = None) -> BaseGrammarBackend:
-        """The backend, once built (raises what building it raised)."""
-        return self._backend.result(timeout)
+        """The backend, built now if no compile asked for it yet (raises what building it raised)."""
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._executor.submit(self._make_backend)
+            fut = self._backend
+        return fut.result(timeout)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

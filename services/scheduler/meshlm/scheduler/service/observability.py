@@ -34,6 +34,14 @@ class SchedulerMetrics:
         self.generation_tokens = m.counter("generation_tokens", "Generated tokens")
         self.cached_tokens = m.counter("cached_tokens", "Prompt tokens served from the prefix cache")
         self.queue_time = m.histogram("queue_time_seconds", "Time from arrival to the first prefill")
+        self.num_grammar_queue_reqs = m.gauge(
+            "num_grammar_queue_reqs", "Constrained requests waiting for their grammar"
+        )
+        self.grammar_compilation_time = m.histogram(
+            "grammar_compilation_time_seconds",
+            "Time to compile one grammar (json_schema / regex / ebnf); cache hits are not compiles",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        )
 
     def update_load(self, load: LoadReport) -> None:
         self.num_running_reqs.set(load.num_running_reqs)
@@ -43,6 +51,7 @@ class SchedulerMetrics:
         self.max_total_num_tokens.set(load.max_total_num_tokens)
         self.cache_hit_rate.set(load.cache_hit_rate)
         self.num_retracted_reqs.set(load.num_retracted_reqs)
+        self.num_grammar_queue_reqs.set(load.num_grammar_queue_reqs)
 
 
 class RequestObserver:

@@ -122,6 +122,9 @@ class SchedulerServer:
         svc, sid, put = self.svc, self.scheduler_id, runtime.port.put
         state, connections = ServiceState(), ConnectionRegistry()
         metrics = SchedulerMetrics(self.metrics)
+        grammar_pool = runtime.scheduler.parts.grammar.pool
+        if grammar_pool is not None:  # compiles run on the pool's threads; prometheus is thread-safe
+            grammar_pool.on_compiled = metrics.grammar_compilation_time.observe
         if self.engine_config.disaggregation_mode == "prefill":
             # The prefill side's own failures have nothing left to abort downstream.
             local_ends = RequestEnds(put, self.tracker, connections)

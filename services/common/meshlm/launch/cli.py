@@ -99,7 +99,7 @@ def _launch(args: argparse.Namespace) -> int:
         tokenizer_replicas=args.tokenizer_replicas,
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
-        tokenizer_args=("--routing-policy", args.routing_policy),
+        tokenizer_args=("--routing-policy", args.routing_policy, "--migration-limit", str(args.migration_limit)),
         gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer processes (default: 1)")
     lau.add_argument("--detokenizer-replicas", type=int, default=1, help="detokenizer processes (default: 1)")
     lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")
+    lau.add_argument(
+        "--migration-limit",
+        type=int,
+        default=1,
+        help="request migration: times a request may move to another scheduler when its scheduler is "
+        "lost mid-decode, continuing from the tokens already streamed; 0 = off (default: 1)",
+    )
     lau.add_argument("--api-key", default=None, help="require this API key at the gateway")
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host

@@ -138,8 +138,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             pb, tracked = self.tracker.token_out(msg, self.scheduler_id)
             if not tracked:
                 return
-            for t, delta in zip(tracked, pb.deltas):
-                self.observer.on_emit(t, len(delta.output_ids))
+            new_ids = {d.rid: len(d.output_ids) for d in msg.deltas}  # the wire may re-send resumed ids
+            for t in tracked:
+                self.observer.on_emit(t, new_ids[t.rid])
             self._send_detok(detokenizer_pb2.DetokenizerInput(tokens=pb), tracked)
         elif isinstance(msg, BatchEmbeddingOut):
             embeds, tracked = self.tracker.embedding_out(msg, self.scheduler_id)
@@ -322,6 +323,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     trace=pb.trace,
                     seed=seed,
                     is_embedding=is_embedding,
+                    sent=None if is_embedding else wire.resumed_delta(req),
                     from_prefill=prefilled is not None,
                 )
             )

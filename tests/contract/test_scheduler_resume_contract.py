@@ -111,7 +111,7 @@ def test_a_bad_resume_is_rejected_naming_the_field(tok: TokenizerStream, detok: 
         "r-long": (greedy(4), scheduler_pb2.ResumedOutput(output_ids=PROMPT[:4]), {}, "max_new_tokens"),
         "r-lp": (greedy(8), scheduler_pb2.ResumedOutput(output_ids=PROMPT[:2]), {"return_logprob": True}, "logprobs"),
     }
-    for rid, (sp, resumed, kw, field) in cases.items():
+    for rid, (sp, resumed, kw, _) in cases.items():
         tok.generate(rid, PROMPT, sampling_params=sp, resumed=resumed, **kw)
     for rid, (_, _, _, field) in cases.items():
         f = detok.wait_finish(rid)

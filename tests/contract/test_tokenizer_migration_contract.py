@@ -63,9 +63,7 @@ def test_a_stream_whose_scheduler_dies_continues_on_another_without_gap_or_dupli
             await wait_for(lambda: not r.manager.states)
 
             # Non-streaming: the one response holds the whole output.
-            call = r.stub.Generate(
-                tokenizer_pb2.GenerateRequest(prompts=[text_prompt("Hi")], rid="mig-ns"), timeout=20
-            )
+            call = r.stub.Generate(tokenizer_pb2.GenerateRequest(prompts=[text_prompt("Hi")], rid="mig-ns"), timeout=20)
             await wait_for(lambda: any(g.rid == "mig-ns" for g in other.seen.generate))
             await asyncio.sleep(0.6)  # a few tokens delivered
             assert r.manager.states["mig-ns"].received.ids

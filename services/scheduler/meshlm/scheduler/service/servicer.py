@@ -6,7 +6,8 @@ Connect (one bidi stream per tokenizer replica):
        close_session / get_load (control messages carry the caller's call_id)
   out: load (on connect and periodically), control replies (same call_id), early request
        errors (draining, duplicate rid, no detokenizer reachable)
-When the stream ends or breaks, every unfinished request sent on it is aborted (KV freed).
+When the stream ends or breaks, every unfinished request sent on it is aborted (KV freed); those
+a prefill scheduler handed over end silently (no ABORT to the detokenizer).
 On a decode scheduler a prefill scheduler's stream also carries kv_chunk + prefilled and gets
 handover_done back (pd_handover.py).
 
@@ -241,10 +242,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             conn.close()
 
     def _abort_connection(self, conn: Connection) -> None:
+        """Abort what the stream brought. A tokenizer's requests end with an ABORT through the
+        ring (the detokenizer drops their state). Requests a prefill scheduler handed over are
+        forgotten first, so they end silently: their tokenizers are still there and hear from the
+        prefill scheduler (503 "went away", then request migration) or lose it themselves; an
+        ABORT from here could reach them first and end a request that was about to move."""
         live = [rid for rid in conn.rids if self.tracker.is_live(rid)]
         if live:
-            logger.info("tokenizer %s went away: aborting %d requests", conn.origin, len(live))
+            logger.info("%s went away: aborting %d requests", conn.origin, len(live))
         for rid in live:
+            t = self.tracker.get(rid)
+            if t is not None and t.from_prefill:
+                self.tracker.remove(rid)
             self.ends.abort(rid, f"tokenizer {conn.origin} disconnected")
         conn.rids.clear()
         conn.kv_parts.clear()

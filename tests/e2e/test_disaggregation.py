@@ -35,7 +35,7 @@ from .faults import (
 
 @pytest.fixture(scope="module")
 def pd_system(smollm_path: str) -> Iterator[System]:
-    sys_ = start_system(smollm_path, decode_dp_size=1)
+    sys_ = start_system(smollm_path, decode_dp_size=1, ready_timeout_s=600)
     yield sys_
     sys_.stop()
 

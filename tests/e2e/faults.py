@@ -1,6 +1,7 @@
-"""Helpers of the fault tests (a component SIGKILLed under load): a scheduler's own load report,
-waiting for schedulers to be idle with their KV free, restarting a killed process with its argv,
-one more tokenizer + gateway pair with other flags, and reading a native /generate SSE stream."""
+"""Helpers of the scheduler fault tests (a scheduler SIGKILLed under load): a scheduler's own load
+report, waiting for schedulers to be idle with their KV free and for the tokenizer to reconnect,
+one more tokenizer + gateway pair with other flags, and reading a native /generate SSE stream.
+Killing and restarting a process with its argv: tests/e2e/frontend/clients.py (kill, restart)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -55,18 +55,6 @@ def wait_idle(children: list[Child], timeout: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"schedulers not idle with their KV free within {timeout}s: {loads}")
-
-
-def kill(child: Child) -> None:
-    assert child.proc is not None and child.proc.poll() is None, f"{child.name} is not running"
-    child.proc.send_signal(signal.SIGKILL)
-    child.proc.wait()
-
-
-def restart(system: System, child: Child, timeout: float = 600.0) -> None:
-    """Start a killed child again with the same argv (same port and id) and wait until it serves."""
-    child.proc = subprocess.Popen(child.argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wait_ready(child, timeout, system.plan.tls)
 
 
 def wait_schedulers_connected(system: System, timeout: float = 60.0) -> None:

@@ -23,14 +23,13 @@ from .conftest import http_json, start_system
 from .faults import (
     NativeStream,
     greedy_body,
-    kill,
     native_stream,
-    restart,
     scheduler_load,
     wait_idle,
     wait_schedulers_connected,
     wait_until,
 )
+from .frontend.clients import kill, restart
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +170,7 @@ def test_decode_scheduler_death_migrates_its_streams_and_it_rejoins(pd_system: S
     wait_idle([prefill])
     status, out = http_json(pd_system.http_url + "/generate", greedy_body("Hi", 4))
     assert status == 503 and "no decode scheduler reachable" in json.dumps(out), (status, out)
-    restart(pd_system, decode)
+    restart(decode, 600)
     _rejoined(pd_system)
 
 
@@ -186,6 +185,6 @@ def test_prefill_scheduler_death_ends_its_requests_with_an_error_and_it_rejoins(
         assert s.status == 200 and s.done and s.error is not None and s.error["code"] == 503, s.events[-3:]
         assert "connection lost" in s.error["message"] and "no other scheduler" in s.error["message"], s.error
     wait_idle([decode])
-    restart(pd_system, prefill)
+    restart(prefill, 600)
     wait_schedulers_connected(pd_system)
     _rejoined(pd_system)

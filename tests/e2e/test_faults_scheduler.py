@@ -27,14 +27,13 @@ from .faults import (
     add_front_end,
     busy,
     greedy_body,
-    kill,
     native_stream,
-    restart,
     scheduler_load,
     wait_idle,
     wait_schedulers_connected,
     wait_until,
 )
+from .frontend.clients import kill, restart
 
 PROMPTS = [f"Request {i}: tell a short story about the number {i}." for i in range(5)]
 LONG, SHORT = 64, 24  # max_new_tokens of the stream that is cut, and of the others
@@ -117,7 +116,7 @@ def test_1_without_migration_the_killed_schedulers_requests_end_with_a_clear_err
         await new_requests_succeed(dp2, golden)
 
         # The killed scheduler comes back with the same argv; the tokenizers reconnect to it.
-        await asyncio.to_thread(restart, dp2, victim)
+        await asyncio.to_thread(restart, victim, 600)
         await asyncio.to_thread(wait_schedulers_connected, dp2)
         async with httpx.AsyncClient(timeout=DEADLINE_S) as c:
             streams = [NativeStream() for _ in range(4)]

@@ -3,6 +3,7 @@
 meshlm launch [flags] [engine flags]
     Start gateway, tokenizer, scheduler and detokenizer as separate processes on loopback
     (the HTTP API on --port, the public gRPC API on --grpc-port); Ctrl-C stops them all.
+    --api-key-file (or MESHLM_API_KEY) guards both APIs; the services get it by environment.
 meshlm serve gateway|tokenizer|scheduler|detokenizer [flags]
     Run one component in this process (the container entrypoint); `--help` lists its flags
     (each also readable from MESHLM_<COMPONENT>_<FLAG> environment variables).
@@ -50,6 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 COMPONENTS = ("gateway", "tokenizer", "scheduler", "detokenizer")
+LAUNCH_ENV_PREFIX = "MESHLM_"  # `meshlm launch` reads MESHLM_API_KEY, MESHLM_INTERNAL_TOKEN_FILE, ...
 
 
 def _engine_args(config: object) -> list[str]:
@@ -71,6 +73,7 @@ def _engine_args(config: object) -> list[str]:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from meshlm.common.auth import AuthConfig
     from meshlm.common.tls import TlsConfig
     from meshlm.launch.launcher import LaunchPlan, launch
     from meshlm.scheduler.config import SchedulerConfig
@@ -79,6 +82,7 @@ def _launch(args: argparse.Namespace) -> int:
     config = SchedulerConfig.from_cli_args(args)
     try:
         tls = TlsConfig.from_cli_args(args)
+        auth = AuthConfig.from_cli_args(args, public=True)
     except ValueError as e:
         raise SystemExit(f"meshlm launch: {e}") from None
     if config.disaggregation_mode != "null":
@@ -87,7 +91,13 @@ def _launch(args: argparse.Namespace) -> int:
             "(it sets each scheduler's --disaggregation-mode)"
         )
     model = resolve_model_path(config.model_path)
-    gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
+    gateway_args: list[str] = []
+    if args.tool_call_parser:
+        gateway_args += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        gateway_args += ["--reasoning-parser", args.reasoning_parser]
+    if args.strict_api:
+        gateway_args.append("--strict-api")
     plan = LaunchPlan(
         model_path=str(model),
         tokenizer_path=str(config.tokenizer_path or model),
@@ -104,6 +114,8 @@ def _launch(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
         tls=tls,
+        api_key=auth.api_key_value,
+        internal_token=auth.internal_token_value,
     )
     system = launch(plan)
     print(f"meshlm is serving: HTTP {system.http_url}  gRPC {system.grpc_address}", flush=True)
@@ -135,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default="warning", help="logging level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts with the in-process engine", parents=[common])
+    from meshlm.common.auth import add_auth_cli_args
     from meshlm.common.tls import add_tls_cli_args
     from meshlm.launch.engine_flags import add_engine_flags
 
@@ -167,9 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="request migration: times a request may move to another scheduler when its scheduler is "
         "lost mid-decode, continuing from the tokens already streamed; 0 = off (default: 1)",
     )
-    lau.add_argument("--api-key", default=None, help="require this API key at the gateway")
+    lau.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the gateway's tool-call parser for tool_choice auto: hermes | qwen25 | llama3_json | mistral | pythonic",
+    )
+    lau.add_argument("--reasoning-parser", default=None, help="the gateway's reasoning parser: deepseek-r1 | qwen3")
+    lau.add_argument(
+        "--strict-api", action="store_true", help="the gateway rejects request fields it does not support (400)"
+    )
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host
+    # The API key guards the gateway and the tokenizers' gRPC API; the internal token (random
+    # unless given) every link between the services. Children get both by environment, never argv.
+    add_auth_cli_args(lau, LAUNCH_ENV_PREFIX, public=True)
     add_engine_flags(lau)
     lau.set_defaults(func=_launch)
 

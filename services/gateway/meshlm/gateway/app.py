@@ -45,6 +45,9 @@ class GatewayMetrics:
         self.duration = self.metrics.histogram(
             "http_request_duration_seconds", "HTTP request latency (to the last byte)", ("route",)
         )
+        self.stalled_streams = self.metrics.counter(
+            "stalled_streams_total", "SSE streams dropped because the client did not read (stream_stall_timeout_s)"
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.metrics.registry)
@@ -156,7 +159,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.auth.api_key_value)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     routes = [
         *openai_serving.router.routes,

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from meshlm.common.sampling_rules import RANGES
+from meshlm.gateway.openai_tool_types import DeltaToolCall, Tool, ToolCallIn, ToolCallOut, ToolChoice
 
 # ---------------------------------------------------------------------------- requests
 
@@ -26,8 +27,10 @@ def _ruled(default: Any, rule: str, description: str | None = None, **narrower: 
 
 
 class _Request(BaseModel):
-    # strict: "16" is not an int and "true" is not a bool; unknown fields are ignored (as SGLang).
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: "16" is not an int and "true" is not a bool. Unknown fields are kept in model_extra
+    # so that each request's unsupported fields are logged or, with --strict-api, rejected
+    # (openai_fields.py): never dropped without a word.
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Request):
@@ -74,7 +77,6 @@ class _SamplingFields(_Request):
     regex: str | None = None
     ebnf: str | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -125,6 +127,9 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its earlier thinking (templates may render it)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -133,8 +138,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = _ruled(None, "max_new_tokens", lt=INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    continue_final_message: bool = False
-    tool_choice: Any | None = None
+    continue_final_message: bool = Field(False, description="leave the final assistant message open (transformers')")
+    add_generation_prompt: bool | None = Field(None, description="default: not continue_final_message")
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, else none")
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="passed to the chat template as the variable reasoning_effort"
+    )
+    separate_reasoning: bool = Field(True, description="split thinking into reasoning_content (--reasoning-parser)")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -156,9 +169,18 @@ class EmbeddingRequest(_Request):
 
 
 class TokenizeRequest(_Request):
+    """Text (`prompt`) or a chat (`messages`, or `prompt` as a list of messages) rendered as
+    /v1/chat/completions renders it (vLLM's tokenize request)."""
+
     model: str | None = None
-    prompt: str | list[ChatMessage]
+    prompt: str | list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -237,13 +259,19 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extras(self, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     matched_stop: int | str | None = None
 
 
@@ -260,6 +288,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict:
@@ -270,7 +300,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     matched_stop: int | str | None = None
 
 

@@ -3,8 +3,10 @@
 Every field is a CLI flag (`--scheduler-addrs`, underscores become dashes) with an environment
 fallback `MESHLM_TOKENIZER_<FIELD>` (e.g. MESHLM_TOKENIZER_SCHEDULER_ADDRS="s0:50052,s1:50052"),
 the meshlm.common.flags way. Precedence: flag > environment > default. The shared fields (host,
-port, logging, OTLP, grace period, metrics/health ports, tls) are GrpcServiceConfig's; `tls`
-secures the server and the scheduler / detokenizer clients alike.
+port, logging, OTLP, grace period, metrics/health ports, tls, auth) are GrpcServiceConfig's; `tls`
+secures the server and the scheduler / detokenizer clients alike; auth's API key guards the
+public TokenizerService (which also accepts the internal token), its internal token goes on
+every call to the schedulers and detokenizers.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class TokenizerConfig(GrpcServiceConfig):
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
     COMPONENT: ClassVar[str] = "tokenizer"
+    PUBLIC_API: ClassVar[bool] = True
     FLAGS: ClassVar[Mapping[str, Flag]] = MappingProxyType(
         {
             **GrpcServiceConfig.FLAGS,
@@ -51,6 +54,10 @@ class TokenizerConfig(GrpcServiceConfig):
             "max_queued_requests": Flag("most in-flight requests of this replica; more get RESOURCE_EXHAUSTED"),
             "request_timeout_s": Flag("seconds without output before a request fails with DEADLINE_EXCEEDED"),
             "connect_timeout_s": Flag("seconds a request waits for a scheduler/detokenizer before UNAVAILABLE"),
+            "max_stream_backlog_bytes": Flag(
+                "most bytes of output a streaming call may have undelivered (its caller not reading);"
+                " past it the call is aborted with RESOURCE_EXHAUSTED"
+            ),
             "parallel_sample_warmup": Flag(
                 "n>1: prefill each prompt once before fanning out (true|false)", parse=parse_bool
             ),
@@ -77,6 +84,9 @@ class TokenizerConfig(GrpcServiceConfig):
     request_timeout_s: float = 300.0
     # How long a request waits for a scheduler / detokenizer connection before UNAVAILABLE.
     connect_timeout_s: float = 5.0
+    # Undelivered output of one call (a caller that does not read its stream) beyond which the
+    # call is aborted (its KV freed) with RESOURCE_EXHAUSTED.
+    max_stream_backlog_bytes: int = 4 << 20
     # n>1: first run one max_new_tokens=0 request per prompt to warm the radix prefix cache.
     parallel_sample_warmup: bool = True
     # Model name reported by GetModelInfo (default: the scheduler's).
@@ -106,6 +116,10 @@ class TokenizerConfig(GrpcServiceConfig):
             f"request_timeout_s must be > 0, got {self.request_timeout_s}",
         )
         need(self.migration_limit >= 0, f"migration_limit must be >= 0, got {self.migration_limit}")
+        need(
+            self.max_stream_backlog_bytes >= 1,
+            f"max_stream_backlog_bytes must be >= 1, got {self.max_stream_backlog_bytes}",
+        )
         need(
             self.connect_timeout_s > 0,
             f"connect_timeout_s must be > 0, got {self.connect_timeout_s}",

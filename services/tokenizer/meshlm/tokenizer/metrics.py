@@ -28,6 +28,9 @@ class TokenizerMetrics:
         self.num_migrated_requests = m.counter(
             "num_migrated_requests_total", "Requests moved to another scheduler mid-decode (request migration)."
         )
+        self.num_slow_stream_aborts = m.counter(
+            "num_slow_stream_aborts_total", "Calls aborted: their caller did not read (max_stream_backlog_bytes)."
+        )
         self.prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = m.counter("generation_tokens_total", "Generated tokens of finished requests.")
 

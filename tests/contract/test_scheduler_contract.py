@@ -213,7 +213,7 @@ def test_logprobs_travel_as_logprob_deltas(tok: TokenizerStream, detok: Recordin
 def test_bad_request_abort_travels_the_ring(tok: TokenizerStream, detok: RecordingDetokenizer) -> None:
     tok.generate("bad-temp", PROMPT, sampling_params=common_pb2.SamplingParams(temperature=-1.0))
     tok.generate("bad-ids", [49152 + 7], sampling_params=greedy(2))
-    tok.generate("bad-regex", PROMPT, sampling_params=common_pb2.SamplingParams(regex="a+"))
+    tok.generate("bad-regex", PROMPT, sampling_params=common_pb2.SamplingParams(regex="(a"))  # unbalanced
     for rid, field in (("bad-temp", "temperature"), ("bad-ids", "input_ids"), ("bad-regex", "regex")):
         f = detok.wait_finish(rid)
         assert f.type == common_pb2.FINISH_TYPE_ABORT and f.status_code == 400

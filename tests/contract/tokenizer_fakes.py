@@ -3,7 +3,8 @@
 It speaks the real protocol (docs/ring.md): Connect (hello, loads, control replies with
 call_id, RequestError), and pushes BatchTokenIDOut steps to a REAL detokenizer over Push, which
 delivers text to the tokenizer's Subscribe stream. What it generates is scripted: each request
-emits `tokens` one per step (up to max_new_tokens), then finishes with LENGTH.
+emits `tokens` one per step (up to max_new_tokens), then finishes with LENGTH; a migrated request
+(`resumed`) continues after its resumed ids, re-sending them from offset 0 with its first step.
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 0,
             )
             return
+        resumed = len(req.resumed.output_ids) if req.HasField("resumed") else 0  # a migrated request
         for k, t in enumerate(out_ids):
+            if k < resumed:
+                continue
             await asyncio.sleep(self.step_s)
             while self.hold and req.rid not in self._aborted:
                 await asyncio.sleep(0.01)
@@ -203,6 +207,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             if last and self.resend_at_end:
                 # A fail-over resync: all ids from 0 with a seed, then the finish (ring.md).
                 self._emit(req, out_ids[:k], 0, None, True, k)
+            if resumed and k == resumed:  # as the real scheduler: the resumed ids again, from offset 0
+                self._emit(req, out_ids[: k + 1], 0, finish, True, k + 1)
+                continue
             self._emit(req, [t], k, finish, k == 0, k + 1)
 
     # ---- RPCs -----------------------------------------------------------------------------

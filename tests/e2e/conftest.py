@@ -25,7 +25,7 @@ def otlp() -> Iterator[OtlpReceiver]:
     rx.stop()
 
 
-def start_system(model: str, otlp_endpoint: str | None = None, **kw: Any) -> System:
+def start_system(model: str, otlp_endpoint: str | None = None, ready_timeout_s: float = 180, **kw: Any) -> System:
     plan = LaunchPlan(
         model_path=model,
         tokenizer_path=model,
@@ -36,7 +36,7 @@ def start_system(model: str, otlp_endpoint: str | None = None, **kw: Any) -> Sys
         log_level="warning",
         **kw,
     )
-    return launch(plan, ready_timeout_s=180)
+    return launch(plan, ready_timeout_s=ready_timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import grpc
 from meshlm.common.errors import ServiceError
 from meshlm.v1 import common_pb2
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # What a peer from before versioning speaks: its hello carried no version (it reads as 0).
 UNVERSIONED_PROTOCOL = 1
 

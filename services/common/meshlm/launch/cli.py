@@ -96,7 +96,7 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
             "(it sets each scheduler's --disaggregation-mode)"
         )
     model = resolve_model_path(config.model_path)
-    tokenizer_args = ["--routing-policy", args.routing_policy]
+    tokenizer_args = ["--routing-policy", args.routing_policy, "--migration-limit", str(args.migration_limit)]
     if args.tokenizer_max_queued_requests is not None:
         tokenizer_args += ["--max-queued-requests", str(args.tokenizer_max_queued_requests)]
     gateway_args: list[str] = []
@@ -194,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most requests in flight per tokenizer replica (its --max-queued-requests); more get HTTP 503 "
         "with Retry-After / RESOURCE_EXHAUSTED at once. The engine flag --max-queued-requests caps each "
         "scheduler's waiting queue the same way (default: the tokenizer's 4096)",
+    )
+    lau.add_argument(
+        "--migration-limit",
+        type=int,
+        default=1,
+        help="request migration: times a request may move to another scheduler when its scheduler is "
+        "lost mid-decode, continuing from the tokens already streamed; 0 = off (default: 1)",
     )
     lau.add_argument(
         "--tool-call-parser",

@@ -38,7 +38,7 @@ def default_tokenizer_id() -> str:
 class TokenizerConfig(GrpcServiceConfig):
     """The tokenizer's own fields after the shared ones (meshlm.common.service_config).
     Invariants: tokenizer_id set (generated when empty), one or more scheduler and detokenizer
-    addresses (host:port), a known routing policy, positive limits and timeouts."""
+    addresses (host:port), a known routing policy, positive limits and timeouts, migration_limit >= 0."""
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
     COMPONENT: ClassVar[str] = "tokenizer"
@@ -62,6 +62,10 @@ class TokenizerConfig(GrpcServiceConfig):
                 "n>1: prefill each prompt once before fanning out (true|false)", parse=parse_bool
             ),
             "served_model_name": Flag("model name to report; unset = the scheduler's"),
+            "migration_limit": Flag(
+                "times one request may move to another scheduler after its scheduler is lost "
+                "mid-decode, continuing from the tokens already streamed; 0 = off (the request fails)"
+            ),
         }
     )
 
@@ -87,6 +91,9 @@ class TokenizerConfig(GrpcServiceConfig):
     parallel_sample_warmup: bool = True
     # Model name reported by GetModelInfo (default: the scheduler's).
     served_model_name: str | None = None
+    # Request migration (docs/ring.md): how many times a request whose scheduler is lost after
+    # it produced output may continue on another one; 0 = never (it fails with UNAVAILABLE).
+    migration_limit: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,6 +115,7 @@ class TokenizerConfig(GrpcServiceConfig):
             self.request_timeout_s > 0,
             f"request_timeout_s must be > 0, got {self.request_timeout_s}",
         )
+        need(self.migration_limit >= 0, f"migration_limit must be >= 0, got {self.migration_limit}")
         need(
             self.max_stream_backlog_bytes >= 1,
             f"max_stream_backlog_bytes must be >= 1, got {self.max_stream_backlog_bytes}",

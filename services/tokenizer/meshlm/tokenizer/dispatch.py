@@ -1,11 +1,16 @@
 """The scheduler side of a tokenizer replica: which scheduler takes a request, sending it there,
 and what a scheduler's Connect stream reports (connected, load, a request's error, lost).
 
-A request that produced nothing yet, was not retried and is not in a session moves once to
-another connected scheduler as `<rid>_retry` (a fresh wire rid, so a late abort from the lost
-scheduler cannot hit the retry) when its scheduler is lost, not connected at send, or refuses it
-with status 503 (draining, or without a detokenizer); otherwise it fails with UNAVAILABLE.
-Sessions never move.
+When a request's scheduler is lost, is not connected at send, or refuses or ends it with status
+503 (draining, no detokenizer, its decode scheduler went away), the request moves:
+
+* one that produced nothing yet, was not retried and is not in a session moves once to another
+  connected scheduler as `<rid>_retry` (a fresh wire rid, so a late abort from the lost
+  scheduler cannot hit the retry);
+* one that produced output migrates (migration.py) as `<rid>_m<k>`, up to migration_limit times,
+  to another connected scheduler, or to the same one when that scheduler is alive and reported
+  the error itself (a prefill scheduler whose decode scheduler went away re-prefills it);
+* otherwise it fails with UNAVAILABLE naming why. Sessions never move.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from meshlm.common.channels import Dialer
 from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.inflight import InFlight
+from meshlm.tokenizer.migration import MigrationPolicy
 from meshlm.tokenizer.routing import Router, session_scheduler
 from meshlm.tokenizer.scheduler_client import SchedulerConnection, SchedulerPool
 from meshlm.tokenizer.state import Delta, DeltaEvent, EmbeddingEvent, ReqKind, ReqState, error_reason
@@ -41,6 +47,7 @@ class Dispatcher:
     ) -> None:
         self.inflight = inflight
         self.router = Router(config.routing_policy)
+        self.migration = MigrationPolicy(config.migration_limit)
         self.schedulers = SchedulerPool(config.scheduler_addrs, config.tokenizer_id, self, dialer=dialer)
         self._on_connected = on_connected
 
@@ -80,17 +87,47 @@ class Dispatcher:
     def _others(self, conn: SchedulerConnection) -> list[int]:
         return [i for i in self.schedulers.connected() if self.schedulers.get(i) is not conn]
 
-    def reroute_or_fail(self, state: ReqState, why: str) -> None:
-        """Retry once on another scheduler if nothing was produced yet, else UNAVAILABLE."""
-        others = self._others(state.conn)
-        if state.produced or state.retried or state.session_id or not others:
-            self.inflight.fail(state, ServiceError(grpc.StatusCode.UNAVAILABLE, why))
+    def reroute_or_fail(self, state: ReqState, why: str, alive: SchedulerConnection | None = None) -> None:
+        """Retry (nothing produced yet) or migrate (output produced) elsewhere, else UNAVAILABLE.
+        alive: the scheduler that reported the error itself (still connected): a migration may
+        go back to it when no other scheduler is connected."""
+        refusal = self._refusal(state, alive)
+        if refusal is not None:
+            self.inflight.fail(state, ServiceError(grpc.StatusCode.UNAVAILABLE, f"{why}; {refusal}"))
             return
-        conn = self._pick(others)
-        self.inflight.rekey(state, f"{state.public_rid}_retry")
-        state.conn, state.retried = conn, True
-        logger.warning("%s; retrying %s on scheduler %s", why, state.public_rid, conn.address)
+        others = self._others(state.conn)
+        conn = self._pick(others) if others else alive
+        assert conn is not None, "_refusal allows a move only with a target"
+        if state.produced:
+            rid = self.migration.prepare(state)
+            self.inflight.metrics.num_migrated_requests.inc()
+            logger.warning(
+                "%s; migrating %s to scheduler %s after %d tokens",
+                why,
+                state.public_rid,
+                conn.address,
+                len(state.received.ids),
+            )
+        else:
+            rid, state.retried = f"{state.public_rid}_retry", True
+            logger.warning("%s; retrying %s on scheduler %s", why, state.public_rid, conn.address)
+        self.inflight.rekey(state, rid)
+        state.conn = conn
         self.send(state)
+
+    def _refusal(self, state: ReqState, alive: SchedulerConnection | None) -> str | None:
+        """Why the request cannot move (None: it can, and there is a target)."""
+        if state.session_id:
+            return "session requests stay on their scheduler"
+        if state.produced:
+            refusal = self.migration.refusal(state)
+            if refusal is not None:
+                return f"not migrated: {refusal}"
+        elif state.retried:
+            return "it was retried once already"
+        if not self._others(state.conn) and (alive is None or not state.produced or not alive.connected):
+            return "no other scheduler is connected"
+        return None
 
     # ---- scheduler stream events (scheduler_client.SchedulerEvents) -----------------------
     def on_scheduler_connected(self, conn: SchedulerConnection) -> None:
@@ -104,10 +141,9 @@ class Dispatcher:
         if state is None:
             return
         reason = error_reason(error)
-        movable = not state.produced and not state.retried and not state.session_id
-        if reason.status_code == 503 and movable and self._others(conn):
-            # The scheduler is draining or without a detokenizer: another one may take it.
-            self.reroute_or_fail(state, f"scheduler {conn.address} refused {state.public_rid}: {reason.message}")
+        if reason.status_code == 503 and self._refusal(state, conn) is None:
+            # Draining, without a detokenizer, or its decode scheduler went away: move it.
+            self.reroute_or_fail(state, f"scheduler {conn.address} ended {state.public_rid}: {reason.message}", conn)
             return
         self.inflight.pop(state)
         if state.kind is ReqKind.EMBED:

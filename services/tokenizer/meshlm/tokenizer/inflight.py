@@ -3,7 +3,9 @@
 A request is registered under its wire rid from its send until it finishes, fails or its call
 closes; what the ring sends back for it (text deltas from the detokenizer subscriptions,
 embeddings from the schedulers) becomes a typed event (state.Event) on its call's queue. A rid no
-longer registered is dropped: finished, aborted, moved to `<rid>_retry`, or a late resend.
+longer registered is dropped: finished, aborted, moved to `<rid>_retry` or `<rid>_m<k>` (a
+migration), or a late resend. What each Generate output delivered is also kept
+(ReqState.received) for a migration to resume from.
 `idle` is set while no call is open (drain waits on it).
 
 A caller that does not read its stream (the RPC handler blocked in a yield while gRPC's flow
@@ -84,7 +86,8 @@ class InFlight:
             del self.states[state.wire_rid]
 
     def rekey(self, state: ReqState, wire_rid: str) -> None:
-        """Register a state again under a new wire rid (a retry); the old rid's outputs are dropped."""
+        """Register a state again under a new wire rid (a retry or a migration); the old rid's
+        outputs are dropped, and what the request received so far (its DeltaTracker) is kept."""
         self.pop(state)
         state.finished = False
         state.wire_rid = state.req.rid = wire_rid
@@ -157,6 +160,7 @@ class InFlight:
                 continue
             if state.kind is ReqKind.GENERATE and (delta.text or delta.ids):
                 self.metrics.observe_tokens(state, len(delta.ids), now)
+                state.received.record(delta.ids, delta.logprobs, state.req.return_logprob)
             if delta.finish is not None:
                 self.pop(state)
                 if state.kind is ReqKind.GENERATE:

@@ -51,6 +51,27 @@ def strip_logprob_text(lp: common_pb2.LogprobDelta) -> None:
                 entry.text = ""
 
 
+class Received:
+    """The output ids (and, for a logprob request, their output logprobs) one request delivered
+    so far, in order: what it resumes with if it migrates (migration.py)."""
+
+    __slots__ = ("ids", "logprobs")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs = common_pb2.LogprobDelta()
+
+    def record(self, ids: list[int], logprobs: common_pb2.LogprobDelta | None, want_logprobs: bool) -> None:
+        """A de-duplicated delta's new ids and output logprobs (copied: the caller may edit its own)."""
+        self.ids.extend(ids)
+        if want_logprobs and logprobs is not None:
+            for name in OUTPUT_LP:
+                getattr(self.logprobs, name).extend(getattr(logprobs, name))
+
+    def logprobs_complete(self) -> bool:
+        return len(self.logprobs.output_token_logprobs) == len(self.ids)
+
+
 class ReqKind(enum.Enum):
     GENERATE = "generate"  # one output of a Generate
     WARMUP = "warmup"  # the max_new_tokens=0 prefill before n>1 samples
@@ -156,13 +177,15 @@ class ReqState:
         self.call = call
         self.index = index
         self.public_rid = public_rid  # MetaInfo.id
-        self.wire_rid = public_rid  # what the scheduler knows (`<rid>_retry` after a retry)
+        self.wire_rid = public_rid  # what the scheduler knows (`<rid>_retry`, `<rid>_m<k>` after a move)
         self.req = req  # TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
         self.conn = conn  # SchedulerConnection
         self.kind = kind
         self.tracker = DeltaTracker()
         self.produced = False
         self.retried = False
+        self.migrations = 0
+        self.received = Received()
         self.finished = False
         self.first_at: float | None = None
         self.last_at: float | None = None

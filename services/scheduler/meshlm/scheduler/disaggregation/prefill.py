@@ -5,7 +5,7 @@ already finished, `transfer_prefilled` copies the prompt's KV out of the pool, e
 PrefilledReq on the port and ends the request here (`req.transferred`: finished, never
 emitted). Its KV stays in this scheduler's prefix cache, so later prompts sharing the prefix
 are computed once here too. Session turns are never handed over: the next turn needs this
-turn's outputs in this scheduler.
+turn's outputs in this scheduler; nor are migrated requests (they arrive with outputs already).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ class PrefillHandoff:
         self.port = port
 
     def should_transfer(self, req: Req) -> bool:
-        """Whether a just-prefilled, unfinished request moves to a decode scheduler."""
-        return self.enabled and req.session_id is None
+        """Whether a just-prefilled, unfinished request moves to a decode scheduler. A migrated
+        request (its decode scheduler was lost, docs/ring.md "Request migration") decodes here:
+        a handover carries exactly one output token."""
+        return self.enabled and req.session_id is None and not req.resumed_tokens
 
     def transfer_prefilled(self, req: Req) -> None:
         """Emit req's prompt KV + first token as a PrefilledReq and end it here.

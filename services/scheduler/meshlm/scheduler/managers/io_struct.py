@@ -32,6 +32,22 @@ class TokenizedGenerateReqInput:
     # outputs followed by input_ids. session_rid names the turn to continue (None = the last).
     session_id: str | None = None
     session_rid: str | None = None
+    # Request migration: what a lost scheduler already produced (None: a new request).
+    resumed: ResumedOutput | None = None
+
+
+@dataclass
+class ResumedOutput:
+    """The outputs of a migrated request that an earlier scheduler produced before it was lost
+    (docs/ring.md "Request migration"). The request continues after them as if it had been
+    retracted here: prompt + output_ids are prefilled, max_new_tokens / min_new_tokens /
+    penalties / stop checks count them, and its emissions continue at token offset
+    len(output_ids). `logprobs`: output entries only, one per id (None without return_logprob);
+    `cached_tokens`: the first prefill's cache hits (reported as usage)."""
+
+    output_ids: list[int]
+    logprobs: LogprobDelta | None = None
+    cached_tokens: int = 0
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from meshlm.common.finish import FinishReason
 from meshlm.scheduler.constrained.base_grammar_backend import BaseGrammarObject
-from meshlm.scheduler.managers.io_struct import ReqTimes
+from meshlm.scheduler.managers.io_struct import ReqTimes, ResumedOutput
 from meshlm.scheduler.mem_cache.radix_cache import TreeNode
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
@@ -73,6 +73,8 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to users)
         self.is_chunked = 0  # >0 while a chunked prefill of this request is in progress
         self.retraction_count = 0
+        # Request migration: how many leading output_ids a lost scheduler produced (`resume`).
+        self.resumed_tokens = 0
 
         # Logprobs.
         self.return_logprob = return_logprob
@@ -108,6 +110,21 @@ class Req:
         """Prepare fill_ids for a (re)prefill. The prefix is matched by the scheduler's cache."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def resume(self, resumed: ResumedOutput) -> None:
+        """Take the outputs a lost scheduler produced (request migration) as this request's own,
+        as if it had been retracted here: its first prefill covers prompt + outputs, its
+        emissions continue after them, and the prompt's logprobs count as sent (the client has
+        them). Output logprob entry k stays about output_ids[k]."""
+        self.output_ids = list(resumed.output_ids)
+        self.resumed_tokens = self.send_token_offset = len(self.output_ids)
+        self.cached_tokens = resumed.cached_tokens
+        self.input_logprobs_done = self.input_logprobs_sent = True
+        if resumed.logprobs is not None:
+            self.output_token_logprobs = list(resumed.logprobs.output_token_logprobs)
+            self.output_top_logprobs = list(resumed.logprobs.output_top_logprobs)
+            self.output_token_ids_logprobs = list(resumed.logprobs.output_token_ids_logprobs)
+        self.send_logprob_offset = len(self.output_token_logprobs)
 
     def reset_for_retract(self) -> None:
         """Forget all KV state; the request will be prefilled again from prompt + outputs."""

@@ -24,8 +24,9 @@ class RequestValidator:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
 
     def new_req(self, recv: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
-        """A Req for recv whose prompt is input_ids (a session turn's prompt differs from recv's)."""
-        return Req(
+        """A Req for recv whose prompt is input_ids (a session turn's prompt differs from recv's);
+        a migrated request (recv.resumed) starts with the outputs it already has."""
+        req = Req(
             recv.rid,
             input_ids,
             recv.sampling_params,
@@ -38,6 +39,9 @@ class RequestValidator:
             origin_input_text=recv.input_text,
             session_id=recv.session_id,
         )
+        if recv.resumed is not None:
+            req.resume(recv.resumed)
+        return req
 
     def new_embedding_req(self, rid: str, input_ids: list[int], input_text: str | None) -> Req:
         return Req(rid, input_ids, SamplingParams(max_new_tokens=0), is_embedding=True, origin_input_text=input_text)
@@ -82,6 +86,21 @@ class RequestValidator:
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         if sp.min_new_tokens > sp.max_new_tokens:
             sp.min_new_tokens = sp.max_new_tokens
+        return self._check_resumed(req, sp.max_new_tokens) if req.resumed_tokens else None
+
+    def _check_resumed(self, req: Req, max_new_tokens: int) -> str | None:
+        """A migrated request's earlier outputs: valid ids, fewer than max_new_tokens, one
+        logprob entry each when it wants logprobs, and no session."""
+        k, vocab = req.resumed_tokens, self.model_config.vocab_size
+        if req.session_id is not None:
+            return "resumed (request migration) cannot continue a session turn"
+        if any(t < 0 or t >= vocab for t in req.output_ids):
+            return f"resumed.output_ids must be token ids in [0, {vocab})"
+        if k >= max_new_tokens:
+            return f"resumed.output_ids holds {k} tokens; it must hold fewer than max_new_tokens ({max_new_tokens})"
+        if req.return_logprob and len(req.output_token_logprobs) != k:
+            got = len(req.output_token_logprobs)
+            return f"resumed.logprobs must hold one output_token_logprobs entry per resumed output id ({k}), got {got}"
         return None
 
     def validate_embedding(self, req: Req) -> str | None:

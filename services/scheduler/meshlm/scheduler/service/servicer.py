@@ -6,7 +6,8 @@ Connect (one bidi stream per tokenizer replica):
        close_session / get_load (control messages carry the caller's call_id)
   out: load (on connect and periodically), control replies (same call_id), early request
        errors (draining, duplicate rid, no detokenizer reachable)
-When the stream ends or breaks, every unfinished request sent on it is aborted (KV freed).
+When the stream ends or breaks, every unfinished request sent on it is aborted (KV freed); those
+a prefill scheduler handed over end silently (no ABORT to the detokenizer).
 On a decode scheduler a prefill scheduler's stream also carries kv_chunk + prefilled and gets
 handover_done back (pd_handover.py).
 
@@ -138,8 +139,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             pb, tracked = self.tracker.token_out(msg, self.scheduler_id)
             if not tracked:
                 return
-            for t, delta in zip(tracked, pb.deltas):
-                self.observer.on_emit(t, len(delta.output_ids))
+            new_ids = {d.rid: len(d.output_ids) for d in msg.deltas}  # the wire may re-send resumed ids
+            for t in tracked:
+                self.observer.on_emit(t, new_ids[t.rid])
             self._send_detok(detokenizer_pb2.DetokenizerInput(tokens=pb), tracked)
         elif isinstance(msg, BatchEmbeddingOut):
             embeds, tracked = self.tracker.embedding_out(msg, self.scheduler_id)
@@ -240,10 +242,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             conn.close()
 
     def _abort_connection(self, conn: Connection) -> None:
+        """Abort what the stream brought. A tokenizer's requests end with an ABORT through the
+        ring (the detokenizer drops their state). Requests a prefill scheduler handed over are
+        forgotten first, so they end silently: their tokenizers are still there and hear from the
+        prefill scheduler (503 "went away", then request migration) or lose it themselves; an
+        ABORT from here could reach them first and end a request that was about to move."""
         live = [rid for rid in conn.rids if self.tracker.is_live(rid)]
         if live:
-            logger.info("tokenizer %s went away: aborting %d requests", conn.origin, len(live))
+            logger.info("%s went away: aborting %d requests", conn.origin, len(live))
         for rid in live:
+            t = self.tracker.get(rid)
+            if t is not None and t.from_prefill:
+                self.tracker.remove(rid)
             self.ends.abort(rid, f"tokenizer {conn.origin} disconnected")
         conn.rids.clear()
         conn.kv_parts.clear()
@@ -322,6 +332,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     trace=pb.trace,
                     seed=seed,
                     is_embedding=is_embedding,
+                    sent=None if is_embedding else wire.resumed_delta(req),
                     from_prefill=prefilled is not None,
                 )
             )

@@ -6,7 +6,9 @@ far as one running-total TokenDelta (all output ids, accumulated logprobs, lates
 finish reason) or its EmbeddingOut, so that
 
   * each outgoing TokenDelta carries its origin, seed (first emission per detokenizer stream),
-    token offset and trace, and
+    token offset and trace; the first emission per detokenizer stream is the running total
+    from token offset 0 (a migrated request's first one thus re-sends the outputs it resumed,
+    so the detokenizer decodes its text from the start and the tokenizer clips what it has), and
   * after a detokenizer fail-over, a resync can re-send every tracked request from token
     offset 0 with its seed (ring.md). Finished requests stay tracked for `retention_s`.
 
@@ -43,7 +45,8 @@ class TrackedRequest:
     seed: scheduler_pb2.DecodeSeed
     is_embedding: bool = False
     # Everything emitted so far: the running total of the request's TokenDeltas (token offset
-    # 0), or its embedding. An embedding request rejected by the loop emits a TokenDelta.
+    # 0), or its embedding. An embedding request rejected by the loop emits a TokenDelta. A
+    # migrated request starts with the outputs it resumed (wire.resumed_delta).
     sent: TokenDelta | None = None
     embedding: EmbeddingOut | None = None
     emissions: int = 0  # outputs produced so far
@@ -136,20 +139,24 @@ class RequestTracker:
             if t.emissions == 0 and delta.prompt_tail_ids:
                 del t.seed.prompt_tail_ids[:]  # the prompt as the loop built it (sessions)
                 t.seed.prompt_tail_ids.extend(delta.prompt_tail_ids)
+            offset = t.num_output_ids
+            if t.sent is None:
+                t.sent = TokenDelta(rid=t.rid)
+            t.sent.absorb(delta)
+            # Unseeded on this detokenizer stream: the running total from offset 0 with the seed
+            # (for a new request that is this delta; a migrated one starts with what it resumed).
+            first = not t.seeded
             pb.deltas.append(
                 wire.token_delta_to_proto(
-                    delta,
+                    t.sent if first else delta,
                     origin=t.origin,
-                    token_offset=t.num_output_ids,
-                    seed=None if t.seeded else t.seed,
+                    token_offset=0 if first else offset,
+                    seed=t.seed if first else None,
                     trace=t.trace,
                 )
             )
             t.seeded = True
             t.emissions += 1
-            if t.sent is None:
-                t.sent = TokenDelta(rid=t.rid)
-            t.sent.absorb(delta)
             if t.finished:
                 t.finished_at = now
             tracked.append(t)
@@ -183,7 +190,7 @@ class RequestTracker:
             t.seeded = bool(t.emissions)
             if t.embedding is not None:
                 embeds.results.append(wire.embedding_to_proto(t.embedding, origin=t.origin, trace=t.trace))
-            elif t.sent is not None:
+            elif t.sent is not None and t.emissions:
                 tokens.deltas.append(
                     wire.token_delta_to_proto(
                         t.sent,

@@ -26,6 +26,7 @@ from meshlm.scheduler.managers.io_struct import (
     LogprobDelta,
     OpenSessionOutput,
     OpenSessionReq,
+    ResumedOutput,
     TokenDelta,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -122,7 +123,24 @@ def generate_req_from_proto(pb: scheduler_pb2.TokenizedGenerateReqInput) -> Toke
         stream=pb.stream,
         session_id=pb.session_id or None,
         session_rid=pb.session_rid or None,
+        resumed=resumed_from_proto(pb.resumed, pb.return_logprob) if pb.HasField("resumed") else None,
     )
+
+
+def resumed_from_proto(pb: scheduler_pb2.ResumedOutput, return_logprob: bool) -> ResumedOutput:
+    """A migrated request's earlier outputs (their logprobs only when the request wants logprobs)."""
+    return ResumedOutput(
+        output_ids=list(pb.output_ids),
+        logprobs=logprobs_from_proto(pb.logprobs) if return_logprob else None,
+        cached_tokens=pb.cached_tokens,
+    )
+
+
+def resumed_to_proto(resumed: ResumedOutput) -> scheduler_pb2.ResumedOutput:
+    pb = scheduler_pb2.ResumedOutput(output_ids=resumed.output_ids, cached_tokens=resumed.cached_tokens)
+    if resumed.logprobs is not None:
+        pb.logprobs.CopyFrom(logprobs_to_proto(resumed.logprobs, resumed.output_ids))
+    return pb
 
 
 def generate_req_to_proto(
@@ -143,6 +161,8 @@ def generate_req_to_proto(
         session_id=req.session_id or "",
         session_rid=req.session_rid or "",
     )
+    if req.resumed is not None:
+        pb.resumed.CopyFrom(resumed_to_proto(req.resumed))
     if trace is not None:
         pb.trace.CopyFrom(trace)
     return pb
@@ -259,6 +279,27 @@ def token_delta_from_proto(pb: scheduler_pb2.TokenDelta) -> TokenDelta:
         cached_tokens=pb.cached_tokens,
         retraction_count=pb.retraction_count,
         logprobs=logprobs_from_proto(pb.logprobs) if pb.HasField("logprobs") else None,
+    )
+
+
+def resumed_delta(req: TokenizedGenerateReqInput) -> TokenDelta | None:
+    """The running total a migrated request starts with (its resumed outputs), None for others."""
+    if req.resumed is None:
+        return None
+    lp = None
+    if req.return_logprob:
+        src = req.resumed.logprobs or LogprobDelta()
+        lp = LogprobDelta(
+            output_token_logprobs=list(src.output_token_logprobs),
+            output_top_logprobs=list(src.output_top_logprobs),
+            output_token_ids_logprobs=list(src.output_token_ids_logprobs),
+        )
+    return TokenDelta(
+        rid=req.rid,
+        output_ids=list(req.resumed.output_ids),
+        completion_tokens=len(req.resumed.output_ids),
+        cached_tokens=req.resumed.cached_tokens,
+        logprobs=lp,
     )
 
 

@@ -1,5 +1,6 @@
 """gRPC server bootstrap shared by every service: grpc.health.v1, server reflection, message
-size limits, TLS / mTLS (meshlm.common.tls), and graceful drain on SIGTERM/SIGINT.
+size limits, TLS / mTLS (meshlm.common.tls), requests that do not parse as INVALID_ARGUMENT
+(meshlm.common.grpc_decode), and graceful drain on SIGTERM/SIGINT.
 
 With a health port, a second, plaintext server serves grpc.health.v1 and nothing else (the same
 statuses, from the same servicer): Kubernetes' gRPC probes cannot speak TLS. It starts and stops
@@ -22,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from meshlm.common.channels import MAX_MESSAGE_BYTES
+from meshlm.common.grpc_decode import BadMessageInterceptor
 from meshlm.common.tls import PLAINTEXT, TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,8 @@ class GrpcServer:
         health_port: int | None = None,
     ) -> None:
         self.server = grpc.aio.server(
-            interceptors=list(interceptors),
+            # Innermost: a unary request that does not parse is INVALID_ARGUMENT (grpc_decode.py).
+            interceptors=[*interceptors, BadMessageInterceptor()],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

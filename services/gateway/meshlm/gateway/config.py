@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from meshlm.common.addresses import parse_addresses
 from meshlm.common.flags import Flag
+from meshlm.common.input_limits import MAX_REQUEST_BYTES
 from meshlm.common.service_config import ServiceConfig, need
 
 ENV_PREFIX = "MESHLM_GATEWAY_"
@@ -24,7 +25,8 @@ ENV_PREFIX = "MESHLM_GATEWAY_"
 @dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
     """The gateway's own fields after the shared ones. Invariants: one or more tokenizer
-    addresses (host:port), request_timeout_s > 0, empty api_key / served_model_name are None."""
+    addresses (host:port), request_timeout_s > 0, max_request_bytes >= 1, empty api_key /
+    served_model_name are None."""
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
     COMPONENT: ClassVar[str] = "gateway"
@@ -39,6 +41,7 @@ class GatewayConfig(ServiceConfig):
             ),
             "served_model_name": Flag("model name of /v1/* (default: the tokenizer's GetModelInfo.served_model_name)"),
             "request_timeout_s": Flag("deadline of one generate/embed call to a tokenizer, in seconds"),
+            "max_request_bytes": Flag("largest HTTP request body in bytes; a larger one gets 413"),
         }
     )
 
@@ -47,6 +50,7 @@ class GatewayConfig(ServiceConfig):
     api_key: str | None = None
     served_model_name: str | None = None
     request_timeout_s: float = 600.0
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         addrs = self.tokenizer_addrs
@@ -62,6 +66,10 @@ class GatewayConfig(ServiceConfig):
         need(
             self.request_timeout_s > 0,
             f"request_timeout_s must be > 0, got {self.request_timeout_s}",
+        )
+        need(
+            self.max_request_bytes >= 1,
+            f"max_request_bytes must be >= 1, got {self.max_request_bytes}",
         )
         for name in ("api_key", "served_model_name"):
             if getattr(self, name) == "":

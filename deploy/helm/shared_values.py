@@ -44,8 +44,32 @@ def global_block() -> Obj:
         "characters."
     )
     registry = "Registry prefixed to every image.repository (e.g. ghcr.io/acme); empty = none."
+    auth = Obj(
+        "Authentication from one existing Secret, mounted read-only as files under "
+        "/etc/meshlm/auth (mode 0440), never in args or env. The API key guards the gateway's "
+        "HTTP routes (all but /health, /health_generate, /metrics) and the tokenizer's public "
+        "gRPC API (`authorization: Bearer <key>`); the internal token goes on every call between "
+        "the services and their internal RPCs require it (gRPC health stays open, so probes "
+        "work). Set it once under global in the umbrella chart, or the same in every standalone "
+        "chart of a system.",
+        {
+            "existingSecret": Field("Name of the Secret; empty = no authentication (every API open).", STR, ""),
+            "apiKeyKey": Field(
+                "Key of the API key in the Secret (--api-key-file; gateway and tokenizer); empty = no API key.",
+                STR,
+                "api-key",
+            ),
+            "internalTokenKey": Field(
+                "Key of the internal token in the Secret (--internal-token-file; every component); "
+                "empty = no internal token.",
+                STR,
+                "internal-token",
+            ),
+        },
+    )
     meshlm = Obj(
-        "meshlm-wide settings.", {"system": Field(system, DNS_LABEL, ""), "imageRegistry": Field(registry, STR, "")}
+        "meshlm-wide settings.",
+        {"system": Field(system, DNS_LABEL, ""), "imageRegistry": Field(registry, STR, ""), "auth": auth},
     )
     # Open: an umbrella's global is shared with charts that are not ours.
     return Obj(

@@ -105,14 +105,6 @@ def specific(component: str) -> dict[str, Node]:
         f["requestTimeoutSeconds"] = Field(
             "Deadline of one call to a tokenizer (--request-timeout-s).", {"type": "number", "exclusiveMinimum": 0}, 600
         )
-        f["apiKey"] = Obj(
-            "API key: MESHLM_GATEWAY_API_KEY from a Secret; every route but /health, "
-            "/health_generate and /metrics then needs `Authorization: Bearer <key>`.",
-            {
-                "secretName": Field("Existing Secret holding the key; empty = no key required.", STR, ""),
-                "secretKey": Field("Key inside the Secret.", {"type": "string", "minLength": 1}, "api-key"),
-            },
-        )
         f["helmTest"] = Obj(
             "The `helm test` hook: GET /health, then POST /generate with max_new_tokens 1.",
             {

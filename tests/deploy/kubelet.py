@@ -8,7 +8,8 @@ plumbing is mapped onto this machine:
   * `<service>[.<ns>[.svc[.cluster.local]]]:<port>` in args and env becomes 127.0.0.1:<the local
     port of the pod that Service selects, for its targetPort>; unknown names are left alone;
   * a volume is a directory of the pod (emptyDir: shared by the pod's containers; secret: a copy
-    of the files in `secret_files[secretName]`), and a value under a container's mountPath is
+    of the files in `secret_files[secretName]`, or with `items` each item's file from the
+    `secrets` dict, mode 0440 as defaultMode says), and a value under a container's mountPath is
     rewritten to it;
   * secretKeyRef env comes from the `secrets` dict; `python` is this interpreter.
 Probes are evaluated as the kubelet would: grpc.health.v1 Check for `grpc`, GET for `httpGet`.
@@ -85,6 +86,13 @@ class LocalCluster:
                     pod.ports[p["containerPort"]] = free_port()
                     pod.named[p["name"]] = p["containerPort"]
             for v in tpl["spec"]["volumes"]:
+                if "secret" in v and "items" in v["secret"]:
+                    pod.volume(v["name"]).mkdir(parents=True)
+                    for item in v["secret"]["items"]:
+                        path = pod.volume(v["name"]) / item["path"]
+                        path.write_text(self.secrets[(v["secret"]["secretName"], item["key"])] + "\n")
+                        path.chmod(v["secret"].get("defaultMode", 0o644))
+                    continue
                 if "secret" in v:
                     shutil.copytree(secret_files[v["secret"]["secretName"]], pod.volume(v["name"]))
                     continue

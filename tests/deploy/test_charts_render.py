@@ -176,20 +176,14 @@ def test_workload_contract(value_set: str, umbrella: Path) -> None:
             assert w["spec"]["serviceName"] in {s["metadata"]["name"] for s in by_kind(docs, "Service")}
 
 
-def test_gateway_api_key_and_helm_test_hook(umbrella: Path) -> None:
+def test_production_helm_test_hook_and_options(umbrella: Path) -> None:
     docs = _umbrella_docs(umbrella, example("production"))
-    (gw,) = [w for w in workloads(docs) if component_of(w) == "gateway"]
-    env = {e["name"]: e for e in container(gw)["env"]}
-    assert env["MESHLM_GATEWAY_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "meshlm-api-key",
-        "key": "api-key",
-    }
     hooks = [d for d in docs if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
     assert [h["kind"] for h in hooks] == ["Pod"]
     script = hooks[0]["spec"]["containers"][0]["command"][2]
     assert "/health" in script and "/generate" in script and '"max_new_tokens": 1' in script
     hook_env = {e["name"]: e for e in hooks[0]["spec"]["containers"][0]["env"]}
-    assert hook_env["MESHLM_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "meshlm-api-key"
+    assert hook_env["MESHLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "meshlm-auth", "key": "api-key"}
     assert {component_of(h) for h in by_kind(docs, "HorizontalPodAutoscaler")} == {
         "gateway",
         "tokenizer",
@@ -198,6 +192,63 @@ def test_gateway_api_key_and_helm_test_hook(umbrella: Path) -> None:
     assert len(by_kind(docs, "PodDisruptionBudget")) == 4 and len(by_kind(docs, "ServiceMonitor")) == 4
     otlp = {component_of(w): flags(container(w)).get("otlp-endpoint") for w in workloads(docs)}
     assert set(otlp.values()) == {"otel-collector.observability:4317"}
+
+
+AUTH_DIR = "/etc/meshlm/auth"
+
+
+def _auth_of(workload: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(auth flags, auth volumes, auth mounts) of a workload."""
+    c = container(workload)
+    f = {k: v for k, v in flags(c).items() if k in ("api-key-file", "internal-token-file", "api-key", "internal-token")}
+    volumes = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
+    mounts = [m for m in c["volumeMounts"] if m["name"] == "auth"]
+    return f, volumes, mounts
+
+
+@pytest.mark.parametrize("chart", [*CHARTS, "meshlm"])
+def test_auth_from_an_existing_secret_reaches_every_component(chart: str, umbrella: Path) -> None:
+    """global.meshlm.auth.existingSecret: each component mounts its items of the Secret as files
+    and gets --api-key-file (gateway, tokenizer) and --internal-token-file (all); no secret is in
+    args or plain env; with a key name emptied that secret is left out; without the value nothing."""
+    path = umbrella if chart == "meshlm" else HELM_DIR / chart
+    values: dict[str, Any] = {"global": {"meshlm": {"auth": {"existingSecret": "sec", "internalTokenKey": "ring"}}}}
+    if chart == "meshlm":
+        values["scheduler"] = {"role": "prefill"}
+        values["decode"] = {"enabled": True}
+    docs = manifests(render(path, values))
+    assert workloads(docs)
+    for w in workloads(docs):
+        component = component_of(w)
+        public = component in ("gateway", "tokenizer")
+        f, volumes, mounts = _auth_of(w)
+        expected = {"internal-token-file": f"{AUTH_DIR}/internal-token"}
+        items = [{"key": "ring", "path": "internal-token"}]
+        if public:
+            expected["api-key-file"] = f"{AUTH_DIR}/api-key"
+            items.insert(0, {"key": "api-key", "path": "api-key"})
+        assert f == expected, component
+        assert volumes == [{"name": "auth", "secret": {"secretName": "sec", "defaultMode": 288, "items": items}}]
+        assert mounts == [{"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}], component
+        env = container(w).get("env", [])
+        assert not any("API_KEY" in e["name"] or "INTERNAL_TOKEN" in e["name"] for e in env), component
+    if chart == "meshlm":
+        assert {w["metadata"]["name"] for w in workloads(docs)} >= {"prod-meshlm-scheduler-decode"}
+    # only the internal token: the public APIs stay open, the ring still needs the token
+    values["global"]["meshlm"]["auth"]["apiKeyKey"] = ""
+    for w in workloads(manifests(render(path, values))):
+        f, volumes, _ = _auth_of(w)
+        assert f == {"internal-token-file": f"{AUTH_DIR}/internal-token"}
+        assert [i["path"] for i in volumes[0]["secret"]["items"]] == ["internal-token"]
+    # only the API key: the scheduler and the detokenizer mount nothing
+    values["global"]["meshlm"]["auth"] = {"existingSecret": "sec", "internalTokenKey": ""}
+    for w in workloads(manifests(render(path, values))):
+        f, volumes, mounts = _auth_of(w)
+        public = component_of(w) in ("gateway", "tokenizer")
+        assert f == ({"api-key-file": f"{AUTH_DIR}/api-key"} if public else {})
+        assert bool(volumes) == bool(mounts) == public
+    for w in workloads(manifests(render(path, {}))):
+        assert _auth_of(w) == ({}, [], [])
 
 
 TLS_ON = {"enabled": True, "secretName": "meshlm-tls"}

@@ -2,8 +2,10 @@
 replica each, run every init container and container as a local process (kubelet.py maps
 services, ports and volumes onto loopback and temp dirs), wait for the rendered probes, complete
 a request through the gateway, run the `helm test` hook, then SIGTERM and expect a clean drain.
-The mtls variant sets tls.enabled in every chart, with the Secret's files from a throwaway CA: the
-rendered --tls-* flags and the probes on the plaintext health port must work as rendered."""
+Every variant takes the API key and the internal token from one Secret (global.meshlm.auth), so
+each link, the pd variant's handover too, carries the token. The mtls variant sets tls.enabled
+in every chart, with the Secret's files from a throwaway CA: the rendered --tls-* flags and the
+probes on the plaintext health port must work as rendered."""
 
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from meshlm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.tls_certs import make_pki
 
 from .charts import COMPONENTS, NAMESPACE, example, flags, manifests, render
 from .kubelet import LocalCluster
 
 API_KEY = "deploy-test-key"
+INTERNAL_TOKEN = "deploy-test-internal-token"
 
 
 def post(url: str, body: dict[str, Any], key: str | None) -> tuple[int, dict[str, Any]]:
@@ -46,6 +50,18 @@ def plaintext_health(address: str) -> int | None:
         return None
 
 
+def tokenize_code(address: str, key: str | None) -> grpc.StatusCode:
+    """The status of a Tokenize call on the public gRPC API, with `key` as bearer token."""
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    req = tokenizer_pb2.TokenizeRequest(prompt=tokenizer_pb2.Prompt(text="hi"))
+    try:
+        with grpc.insecure_channel(address) as ch:
+            tokenizer_pb2_grpc.TokenizerServiceStub(ch).Tokenize(req, metadata=metadata, timeout=30)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tls,pd", [(False, False), (True, False), (False, True)], ids=["plaintext", "mtls", "pd"])
 def test_rendered_umbrella_runs_as_local_processes(
@@ -55,7 +71,8 @@ def test_rendered_umbrella_runs_as_local_processes(
     if pd:  # prefill/decode disaggregation: the request crosses both scheduler pods
         values["scheduler"]["role"] = "prefill"
         values["decode"] = {**values["scheduler"], "enabled": True, "role": "decode"}
-    values["gateway"] = {"apiKey": {"secretName": "meshlm-api-key", "secretKey": "api-key"}}
+    # the API key and the ring's internal token from one Secret, as files: every link carries it
+    values.setdefault("global", {}).setdefault("meshlm", {})["auth"] = {"existingSecret": "meshlm-auth"}
     secret_files: dict[str, Path] = {}
     if tls:  # the kubelet maps every Service to 127.0.0.1: the certificate names that IP
         secret_files["meshlm-tls"] = make_pki(tmp_path / "meshlm-tls").ca_file.parent
@@ -68,7 +85,7 @@ def test_rendered_umbrella_runs_as_local_processes(
         docs,
         tmp_path / "pods",
         NAMESPACE,
-        {("meshlm-api-key", "api-key"): API_KEY},
+        {("meshlm-auth", "api-key"): API_KEY, ("meshlm-auth", "internal-token"): INTERNAL_TOKEN},
         secret_files,
     )
     try:
@@ -96,6 +113,9 @@ def test_rendered_umbrella_runs_as_local_processes(
         grpc_status = plaintext_health(f"127.0.0.1:{tok.ports[tok.named['grpc']]}")
         serving = health_pb2.HealthCheckResponse.SERVING
         assert grpc_status == (None if tls else serving)  # TLS refuses a plaintext client
+        if not tls:  # health is open, the public gRPC API needs the key from the Secret
+            assert tokenize_code(f"127.0.0.1:{tok.ports[tok.named['grpc']]}", None) == grpc.StatusCode.UNAUTHENTICATED
+            assert tokenize_code(f"127.0.0.1:{tok.ports[tok.named['grpc']]}", API_KEY) == grpc.StatusCode.OK
 
         gw = cluster.pods["gateway"]
         url = f"http://127.0.0.1:{gw.ports[gw.named['http']]}"

@@ -22,7 +22,7 @@ CONFIGS: list[tuple[type[ServiceConfig], dict[str, Any]]] = [
     (GatewayConfig, {}),
     (SchedulerServiceConfig, {}),
 ]
-SHARED = {"host", "port", "log_level", "log_format", "otlp_endpoint", "grace_period_s", "tls"}
+SHARED = {"host", "port", "log_level", "log_format", "otlp_endpoint", "grace_period_s", "tls", "auth"}
 
 
 def parse(cls: type[ServiceConfig], argv: list[str], env: dict[str, str]) -> ServiceConfig:
@@ -36,14 +36,15 @@ def test_every_field_is_a_flag_and_an_env_var_named_in_help(cls: type[ServiceCon
     names = {f.name for f in dataclasses.fields(cls)}
     assert names >= SHARED
     assert issubclass(cls, GrpcServiceConfig) == (cls is not GatewayConfig)
-    assert set(cls.FLAGS) == names - {"tls"}  # tls: the --tls-* flags
+    assert set(cls.FLAGS) == names - {"tls", "auth"}  # tls, auth: the --tls-* and auth flags
     parser = argparse.ArgumentParser()
     cls.add_cli_args(parser, environ={})
     text = parser.format_help().replace("\n", "").replace(" ", "")
-    for name in names - {"tls"}:
+    for name in names - {"tls", "auth"}:
         assert "--" + name.replace("_", "-") in text
         assert cls.ENV_PREFIX + name.upper() in text
-    for tls_var in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE"):
+    auth_vars = ("INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE") + (("API_KEY", "API_KEY_FILE") if cls.PUBLIC_API else ())
+    for tls_var in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", *auth_vars):
         assert cls.ENV_PREFIX + tls_var in text
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in required.items()]
     parsed = parse(cls, flags, {})

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from gateway_testlib import MODEL, UNREACHABLE, make_config
 
+from meshlm.common.auth import AuthConfig
 from meshlm.gateway.app import create_app
 from meshlm.gateway.config import GatewayConfig
 
@@ -20,7 +21,7 @@ KEY = "s3cret"
 
 @pytest.fixture
 def keyed_client():
-    with TestClient(create_app(make_config(api_key=KEY))) as client:
+    with TestClient(create_app(make_config(auth=AuthConfig(api_key=KEY)))) as client:
         yield client
 
 
@@ -150,7 +151,7 @@ def test_config_flags_env_and_defaults():
         "MESHLM_GATEWAY_GRACE_PERIOD_S": "2.5",
     }
     from_env = GatewayConfig.from_cli_args(parser(env).parse_args([]))
-    assert (from_env.port, from_env.tokenizer_addrs, from_env.api_key, from_env.grace_period_s) == (
+    assert (from_env.port, from_env.tokenizer_addrs, from_env.auth.api_key_value, from_env.grace_period_s) == (
         8001,
         ("a:1", "b:2"),
         "k",
@@ -182,7 +183,7 @@ def test_config_flags_env_and_defaults():
         5.0,
         "json",
     )
-    assert flags.api_key == "k"  # env still fills what flags leave out
+    assert flags.auth.api_key_value == "k"  # env still fills what flags leave out
     with pytest.raises(SystemExit):
         parser({}).parse_args(["--tokenizer-addrs", "no-port"])
     with pytest.raises(ValueError):

@@ -79,6 +79,43 @@ terminationGracePeriodSeconds with 5 s to spare for the final server stop. */ -}
 {{- end -}}
 {{- end -}}
 
+{{- /* ---- authentication: global.meshlm.auth ----------------------------------------------
+The API key (gateway: HTTP; tokenizer: its public gRPC API) and the ring's internal token (every
+component sends it on each call to a peer and requires it on its internal RPCs) come from one
+existing Secret, mounted as files under meshlm.authDir and passed as --api-key-file /
+--internal-token-file: never in args or plain env. An empty key name leaves that secret out. */ -}}
+{{- define "meshlm.authDir" -}}/etc/meshlm/auth{{- end -}}
+
+{{- define "meshlm.auth" -}}
+{{- $g := (.ctx.Values.global | default dict).meshlm | default dict -}}
+{{- toJson ($g.auth | default dict) -}}
+{{- end -}}
+
+{{- /* The Secret's items this component mounts, as JSON ([] without an existingSecret). */ -}}
+{{- define "meshlm.authItems" -}}
+{{- $a := include "meshlm.auth" . | fromJson -}}
+{{- $items := list -}}
+{{- if $a.existingSecret -}}
+{{- if and $a.apiKeyKey (has .component (list "gateway" "tokenizer")) -}}
+{{- $items = append $items (dict "key" $a.apiKeyKey "path" "api-key") -}}
+{{- end -}}
+{{- if $a.internalTokenKey -}}
+{{- $items = append $items (dict "key" $a.internalTokenKey "path" "internal-token") -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $items -}}
+{{- end -}}
+
+{{- define "meshlm.authArgs" -}}
+{{- range (include "meshlm.authItems" . | fromJsonArray) }}
+{{- if eq .path "api-key" }}
+- --api-key-file={{ include "meshlm.authDir" $ }}/api-key
+{{- else }}
+- --internal-token-file={{ include "meshlm.authDir" $ }}/internal-token
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{- /* mTLS: the Secret's files under this directory (tls.enabled). */ -}}
 {{- define "meshlm.tlsDir" -}}/etc/meshlm/tls{{- end -}}
 
@@ -111,6 +148,7 @@ kubelet's gRPC probes cannot speak TLS). */ -}}
 - --health-port={{ $v.tls.healthPort }}
 {{- end }}
 {{- end }}
+{{- include "meshlm.authArgs" . }}
 {{- end -}}
 
 {{- /* extraArgs / extraEnv render nothing when empty; callers wrap them in `with` and
@@ -320,6 +358,14 @@ non-root user through podSecurityContext.fsGroup). */ -}}
     secretName: {{ .ctx.Values.tls.secretName }}
     defaultMode: 288
 {{- end }}
+{{- with (include "meshlm.authItems" . | fromJsonArray) }}
+- name: auth
+  secret:
+    secretName: {{ (include "meshlm.auth" $ | fromJson).existingSecret }}
+    defaultMode: 288
+    items:
+      {{- toYaml . | nindent 6 }}
+{{- end }}
 {{- end -}}
 
 {{- define "meshlm.baseVolumeMounts" -}}
@@ -330,6 +376,11 @@ non-root user through podSecurityContext.fsGroup). */ -}}
 {{- if .ctx.Values.tls.enabled }}
 - name: tls
   mountPath: {{ include "meshlm.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if (include "meshlm.authItems" . | fromJsonArray) }}
+- name: auth
+  mountPath: {{ include "meshlm.authDir" . }}
   readOnly: true
 {{- end }}
 {{- end -}}

@@ -4,6 +4,9 @@ one backoff policy, and the Dialer that resolves an address list and opens (TLS)
 Invariants:
 * every channel (client) and server of the ring carries the same message-size limit,
   MAX_MESSAGE_BYTES, both ways;
+* with a token, every call on a Dialer's channels carries `authorization: Bearer <token>` (the
+  ring's internal token, or the gateway's key for the tokenizers: meshlm.common.auth), added
+  here once for every client of the ring;
 * an endpoint the Dialer resolved from a DNS name is dialed with the TLS certificate check
   against that name (docs/ring.md "TLS": a pod IP behind a headless service has no certificate
   of its own; `grpc.ssl_target_name_override` carries the name);
@@ -21,6 +24,7 @@ from typing import Any
 import grpc
 
 from meshlm.common.addresses import Resolver, resolve, resolve_all
+from meshlm.common.auth_interceptors import bearer_interceptors
 from meshlm.common.tls import PLAINTEXT, TlsConfig, aio_channel
 
 # The largest message on any link: a resync of many long requests, a KV handover chunk.
@@ -73,11 +77,14 @@ class Backoff:
 
 class Dialer:
     """Opens the channels of one service's peers: plaintext, or TLS (mTLS with a CA) per `tls`,
-    always with CHANNEL_OPTIONS. resolve() remembers which DNS name each endpoint came from, so
-    channel() checks the peer's certificate against that name."""
+    always with CHANNEL_OPTIONS, and with `token` as the bearer token of every call when given.
+    resolve() remembers which DNS name each endpoint came from, so channel() checks the peer's
+    certificate against that name."""
 
-    def __init__(self, tls: TlsConfig | None = None, resolver: Resolver = resolve) -> None:
+    def __init__(self, tls: TlsConfig | None = None, resolver: Resolver = resolve, token: str | None = None) -> None:
         self.tls = tls or PLAINTEXT
+        self.token = token
+        self._interceptors = bearer_interceptors(token)
         self._resolver = resolver
         self._names: dict[str, str] = {}
 
@@ -90,4 +97,4 @@ class Dialer:
         return self._names.get(endpoint)
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
-        return aio_channel(endpoint, self.tls, CHANNEL_OPTIONS, self._names.get(endpoint))
+        return aio_channel(endpoint, self.tls, CHANNEL_OPTIONS, self._names.get(endpoint), self._interceptors)

@@ -1,6 +1,8 @@
 """gRPC server bootstrap shared by every service: grpc.health.v1, server reflection, message
-size limits, TLS / mTLS (meshlm.common.tls), requests that do not parse as INVALID_ARGUMENT
-(meshlm.common.grpc_decode), and graceful drain on SIGTERM/SIGINT.
+size limits, TLS / mTLS (meshlm.common.tls), bearer-token authentication (meshlm.common.auth:
+the API key on public services, the internal token on the others; health and reflection stay
+open), requests that do not parse as INVALID_ARGUMENT (meshlm.common.grpc_decode), and graceful
+drain on SIGTERM/SIGINT.
 
 With a health port, a second, plaintext server serves grpc.health.v1 and nothing else (the same
 statuses, from the same servicer): Kubernetes' gRPC probes cannot speak TLS. It starts and stops
@@ -22,6 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from meshlm.common.auth import AuthConfig
+from meshlm.common.auth_interceptors import server_interceptors
 from meshlm.common.channels import MAX_MESSAGE_BYTES
 from meshlm.common.grpc_decode import BadMessageInterceptor
 from meshlm.common.tls import PLAINTEXT, TlsConfig
@@ -33,8 +37,10 @@ DrainHook = Callable[[], Awaitable[None]]
 
 class GrpcServer:
     """One service's grpc.aio server. Invariants: the service port is bound once (bind() or
-    start()), with TLS exactly when `tls` is enabled (mTLS when it has a CA); the health servicer
-    holds every status, for the service port and the plaintext health port alike."""
+    start()), with TLS exactly when `tls` is enabled (mTLS when it has a CA); every call but
+    health and reflection passes `auth`'s check (public_services: those that take the API key;
+    the rest take the internal token); the health servicer holds every status, for the service
+    port and the plaintext health port alike."""
 
     def __init__(
         self,
@@ -44,10 +50,14 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         tls: TlsConfig | None = None,
         health_port: int | None = None,
+        auth: AuthConfig | None = None,
+        public_services: Sequence[str] = (),
     ) -> None:
+        self.auth_enabled = auth is not None and auth.enabled
         self.server = grpc.aio.server(
-            # Innermost: a unary request that does not parse is INVALID_ARGUMENT (grpc_decode.py).
-            interceptors=[*interceptors, BadMessageInterceptor()],
+            # Auth first; innermost, a unary request that does not parse is INVALID_ARGUMENT
+            # (grpc_decode.py).
+            interceptors=[*interceptors, *server_interceptors(auth, public_services), BadMessageInterceptor()],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -99,10 +109,11 @@ class GrpcServer:
         await self._start_health_server()
         await self.set_serving(True)
         logger.info(
-            "gRPC %s listening on port %d (%s)",
+            "gRPC %s listening on port %d (%s%s)",
             ",".join(self.service_names),
             self.port,
             ("mTLS" if self.tls.mutual else "TLS") if self.tls.enabled else "plaintext",
+            ", bearer tokens required" if self.auth_enabled else "",
         )
         return self.port
 

@@ -1,16 +1,19 @@
 """The config fields every meshlm service shares, declared once, with their flags.
 
-    ServiceConfig      host, port, log_level, log_format, otlp_endpoint, grace_period_s, tls
-                       (all four services; the gateway's port is HTTP, its tls its client's)
+    ServiceConfig      host, port, log_level, log_format, otlp_endpoint, grace_period_s, tls,
+                       auth (all four services; the gateway's port is HTTP, its tls its client's)
     GrpcServiceConfig  + metrics_port, health_port (tokenizer, scheduler, detokenizer)
 
 A service's config is a frozen subclass adding its own fields, flag help (FLAGS), environment
 prefix (ENV_PREFIX, MESHLM_<COMPONENT>_) and defaults (a redeclared field, e.g. its port).
 Flags and environment variables come from meshlm.common.flags, the one mechanism: field foo_bar
 is --foo-bar and <ENV_PREFIX>FOO_BAR, flag > environment > default, both named in --help; tls is
-the three --tls-* flags (<ENV_PREFIX>TLS_CERT_FILE, ...). Invariants of a built config: ports in
+the three --tls-* flags (<ENV_PREFIX>TLS_CERT_FILE, ...); auth is the --internal-token[-file]
+flags and, where PUBLIC_API, --api-key[-file] (<ENV_PREFIX>INTERNAL_TOKEN, <ENV_PREFIX>API_KEY,
+...; meshlm.common.auth). Invariants of a built config: ports in
 [0, 65535], log_level and log_format known, grace_period_s >= 0, an empty otlp_endpoint is None,
-health_port off or a fixed port other than port, tls validated (its files read).
+health_port off or a fixed port other than port, tls validated (its files read), auth's secrets
+read and checked; to_json shows whether each secret is set, never the secret.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
+from meshlm.common.auth import NO_AUTH, AuthConfig, add_auth_cli_args
 from meshlm.common.flags import Flag, add_config_flags, config_values, env_values
 from meshlm.common.tls import PLAINTEXT, TlsConfig, add_tls_cli_args, validate_health_port
 
@@ -45,11 +49,13 @@ def check_port(name: str, port: int | None) -> None:
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """Fields of every service; subclasses set ENV_PREFIX, COMPONENT and FLAGS (help of every
-    field but tls, which is the --tls-* flags)."""
+    """Fields of every service; subclasses set ENV_PREFIX, COMPONENT, FLAGS (help of every
+    field but tls and auth, which are the --tls-* and auth flags) and PUBLIC_API (the service
+    has a public API, guarded by --api-key)."""
 
     ENV_PREFIX: ClassVar[str] = "MESHLM_"
     COMPONENT: ClassVar[str] = "service"
+    PUBLIC_API: ClassVar[bool] = False
     FLAGS: ClassVar[Mapping[str, Flag]] = MappingProxyType(
         {
             "host": Flag("address to bind the server to"),
@@ -68,6 +74,7 @@ class ServiceConfig:
     otlp_endpoint: str | None = None
     grace_period_s: float = 30.0
     tls: TlsConfig = PLAINTEXT
+    auth: AuthConfig = NO_AUTH
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
@@ -87,12 +94,14 @@ class ServiceConfig:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        values = dataclasses.asdict(self)
+        values["auth"] = self.auth.describe()  # never the secrets
+        return json.dumps(values, sort_keys=True)
 
     # ---- flags and environment ------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-        """One flag per field (FLAGS) and the --tls-* flags, each defaulting to its environment
+        """One flag per field (FLAGS), the --tls-* and the auth flags, each defaulting to its environment
         variable (environ, default os.environ) when set, else to the field's default."""
         group = parser.add_argument_group(
             cls.COMPONENT,
@@ -100,17 +109,23 @@ class ServiceConfig:
         )
         add_config_flags(group, cls, cls.FLAGS, env_prefix=cls.ENV_PREFIX, environ=environ)
         add_tls_cli_args(parser, cls.ENV_PREFIX, environ)
+        add_auth_cli_args(parser, cls.ENV_PREFIX, cls.PUBLIC_API, environ)
 
     @classmethod
     def from_cli_args(cls: type[C], ns: argparse.Namespace) -> C:
         """The config of flags added by add_cli_args; ValueError names a field out of range."""
-        return cls(**config_values(cls.FLAGS, ns), tls=TlsConfig.from_cli_args(ns))
+        return cls(
+            **config_values(cls.FLAGS, ns),
+            tls=TlsConfig.from_cli_args(ns),
+            auth=AuthConfig.from_cli_args(ns, cls.PUBLIC_API),
+        )
 
     @classmethod
     def from_env(cls: type[C], environ: Mapping[str, str] | None = None, **overrides: Any) -> C:
         """The config of the environment alone (no command line); overrides win."""
         values: dict[str, Any] = {
             "tls": TlsConfig.from_env(cls.ENV_PREFIX, environ),
+            "auth": AuthConfig.from_env(cls.ENV_PREFIX, cls.PUBLIC_API, environ),
             **env_values(cls, cls.FLAGS, cls.ENV_PREFIX, environ),
         }
         values.update(overrides)

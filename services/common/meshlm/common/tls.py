@@ -140,15 +140,18 @@ def aio_channel(
     tls: TlsConfig | None = None,
     options: ChannelOptions = (),
     server_name: str | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to address: TLS (mTLS with a CA) when tls is enabled, else plaintext.
     server_name: the DNS name the server's certificate must carry when address is one of its
-    resolved IPs (ignored without TLS)."""
+    resolved IPs (ignored without TLS). interceptors: run on every call (e.g. the bearer token
+    of meshlm.common.auth_interceptors)."""
     tls = tls or PLAINTEXT
     opts = _channel_options(tls, options, server_name)
+    icpt = list(interceptors) or None
     if not tls.enabled:
-        return grpc.aio.insecure_channel(address, options=opts)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
+        return grpc.aio.insecure_channel(address, options=opts, interceptors=icpt)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts, interceptors=icpt)
 
 
 def sync_channel(

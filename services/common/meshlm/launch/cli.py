@@ -3,6 +3,7 @@
 meshlm launch [flags] [engine flags]
     Start gateway, tokenizer, scheduler and detokenizer as separate processes on loopback
     (the HTTP API on --port, the public gRPC API on --grpc-port); Ctrl-C stops them all.
+    --api-key-file (or MESHLM_API_KEY) guards both APIs; the services get it by environment.
 meshlm serve gateway|tokenizer|scheduler|detokenizer [flags]
     Run one component in this process (the container entrypoint); `--help` lists its flags
     (each also readable from MESHLM_<COMPONENT>_<FLAG> environment variables).
@@ -50,6 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 COMPONENTS = ("gateway", "tokenizer", "scheduler", "detokenizer")
+LAUNCH_ENV_PREFIX = "MESHLM_"  # `meshlm launch` reads MESHLM_API_KEY, MESHLM_INTERNAL_TOKEN_FILE, ...
 
 
 def _engine_args(config: object) -> list[str]:
@@ -71,6 +73,7 @@ def _engine_args(config: object) -> list[str]:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from meshlm.common.auth import AuthConfig
     from meshlm.common.tls import TlsConfig
     from meshlm.launch.launcher import LaunchPlan, launch
     from meshlm.scheduler.config import SchedulerConfig
@@ -79,6 +82,7 @@ def _launch(args: argparse.Namespace) -> int:
     config = SchedulerConfig.from_cli_args(args)
     try:
         tls = TlsConfig.from_cli_args(args)
+        auth = AuthConfig.from_cli_args(args, public=True)
     except ValueError as e:
         raise SystemExit(f"meshlm launch: {e}") from None
     if config.disaggregation_mode != "null":
@@ -87,7 +91,6 @@ def _launch(args: argparse.Namespace) -> int:
             "(it sets each scheduler's --disaggregation-mode)"
         )
     model = resolve_model_path(config.model_path)
-    gateway_args: list[str] = ["--api-key", args.api_key] if args.api_key else []
     plan = LaunchPlan(
         model_path=str(model),
         tokenizer_path=str(config.tokenizer_path or model),
@@ -100,10 +103,11 @@ def _launch(args: argparse.Namespace) -> int:
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
         tokenizer_args=("--routing-policy", args.routing_policy),
-        gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
         tls=tls,
+        api_key=auth.api_key_value,
+        internal_token=auth.internal_token_value,
     )
     system = launch(plan)
     print(f"meshlm is serving: HTTP {system.http_url}  gRPC {system.grpc_address}", flush=True)
@@ -135,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default="warning", help="logging level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts with the in-process engine", parents=[common])
+    from meshlm.common.auth import add_auth_cli_args
     from meshlm.common.tls import add_tls_cli_args
     from meshlm.launch.engine_flags import add_engine_flags
 
@@ -160,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer processes (default: 1)")
     lau.add_argument("--detokenizer-replicas", type=int, default=1, help="detokenizer processes (default: 1)")
     lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")
-    lau.add_argument("--api-key", default=None, help="require this API key at the gateway")
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host
+    # The API key guards the gateway and the tokenizers' gRPC API; the internal token (random
+    # unless given) every link between the services. Children get both by environment, never argv.
+    add_auth_cli_args(lau, LAUNCH_ENV_PREFIX, public=True)
     add_engine_flags(lau)
     lau.set_defaults(func=_launch)
 

@@ -8,12 +8,22 @@ supervises: Ctrl-C / SIGTERM stops all of them (SIGTERM, grace period, then SIGK
 With a TlsConfig every process gets the same --tls-* flags (the gRPC links use TLS, mTLS with a
 CA) and the launcher's own health checks use them too; the certificate must name the host the
 services are dialed by (an IP SAN for 127.0.0.1).
+
+Secrets never go on a command line (anyone can read another process's argv, /proc/<pid>/cmdline;
+its environment only its own user): the API key reaches the gateway and the tokenizers as
+MESHLM_<COMPONENT>_API_KEY, the internal token every process as MESHLM_<COMPONENT>_INTERNAL_TOKEN.
+With an API key and no internal token the launcher makes a random one, so the loopback ports of
+the schedulers and detokenizers are closed to callers without it too. The children's auth comes
+from the plan alone: inherited MESHLM_<COMPONENT>_API_KEY* / _INTERNAL_TOKEN* variables are
+dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -60,6 +70,16 @@ class LaunchPlan:
     otlp_endpoint: str | None = None
     log_level: str = "info"
     tls: TlsConfig = PLAINTEXT
+    # The public API key (gateway HTTP and the tokenizers' gRPC API) and the ring's internal
+    # token; passed by environment only. launch() makes a token when there is a key but none.
+    api_key: str | None = field(default=None, repr=False)
+    internal_token: str | None = field(default=None, repr=False)
+
+    def with_internal_token(self) -> LaunchPlan:
+        """This plan, with a random internal token if it has an API key but no token."""
+        if self.api_key is None or self.internal_token is not None:
+            return self
+        return dataclasses.replace(self, internal_token=secrets.token_urlsafe(32))
 
 
 @dataclass
@@ -69,6 +89,7 @@ class Child:
     address: str  # host:port it serves (gRPC, or HTTP for the gateway)
     argv: list[str]
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # the secrets, as variables
 
 
 @dataclass
@@ -107,6 +128,24 @@ class System:
 
 def _cmd(component: str, args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", f"meshlm.{component}", *args]
+
+
+AUTH_VARS = ("API_KEY", "API_KEY_FILE", "INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE")
+
+
+def env_prefix(component: str) -> str:
+    return f"MESHLM_{component.upper()}_"
+
+
+def secret_env(plan: LaunchPlan, component: str) -> dict[str, str]:
+    """The variables that give `component` the plan's secrets (the API key to the gateway and
+    the tokenizers, the internal token to all)."""
+    env = {}
+    if plan.api_key is not None and component in ("gateway", "tokenizer"):
+        env[env_prefix(component) + "API_KEY"] = plan.api_key
+    if plan.internal_token is not None:
+        env[env_prefix(component) + "INTERNAL_TOKEN"] = plan.internal_token
+    return env
 
 
 def plan_children(plan: LaunchPlan) -> list[Child]:
@@ -183,7 +222,15 @@ def plan_children(plan: LaunchPlan) -> list[Child]:
         *common,
     ]
     children.append(Child("gateway", "gateway", f"{h}:{plan.http_port}", _cmd("gateway", gw_args)))
+    for c in children:
+        c.env = secret_env(plan, c.component)
     return children
+
+
+def child_env(base: dict[str, str], child: Child) -> dict[str, str]:
+    """base without any inherited auth variable of the child's component, plus its secrets."""
+    dropped = {env_prefix(child.component) + v for v in AUTH_VARS}
+    return {**{k: v for k, v in base.items() if k not in dropped}, **child.env}
 
 
 def _grpc_serving(address: str, timeout: float, tls: TlsConfig) -> bool:
@@ -223,7 +270,9 @@ def wait_ready(child: Child, timeout_s: float, tls: TlsConfig = PLAINTEXT) -> No
 
 
 def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> System:
-    """Start every process and wait until all are ready; on failure stop what started."""
+    """Start every process and wait until all are ready; on failure stop what started. The
+    system's plan holds the internal token it used (made here when the plan has a key only)."""
+    plan = plan.with_internal_token()
     system = System(plan)
     proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     try:
@@ -232,7 +281,7 @@ def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: dict[str, str]
             batch = [c for c in children if c.component == component]
             for c in batch:
                 logger.info("starting %s: %s", c.name, " ".join(c.argv))
-                c.proc = subprocess.Popen(c.argv, env=proc_env)
+                c.proc = subprocess.Popen(c.argv, env=child_env(proc_env, c))
                 system.children.append(c)
             for c in batch:
                 wait_ready(c, ready_timeout_s, plan.tls)

@@ -140,6 +140,7 @@ async def start_detokenizer(
         port=config.port,
         tls=config.tls,
         health_port=config.health_port,
+        auth=config.auth,
     )
     detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(servicer, server.server)
     port = await server.start()

@@ -161,7 +161,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.auth.api_key_value)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     routes = [
         *openai_serving.router.routes,

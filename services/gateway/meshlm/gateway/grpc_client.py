@@ -6,7 +6,8 @@ per RPC (`embed`, `tokenize`, ..., `generate`, `abort_everywhere`).
   the background, and at once on a failure); a session id pins its requests to one endpoint.
 * Channels come from meshlm.common.channels.Dialer (the ring's channel options and message limit);
   with --tls-* flags they use TLS (mTLS with a CA), each endpoint's certificate checked against the
-  name it was resolved from.
+  name it was resolved from; with a token (the gateway's internal token or API key) every call
+  carries `authorization: Bearer <token>`.
 * A call that fails with UNAVAILABLE before any output is retried on another endpoint.
 * gRPC status -> ServiceError (meshlm.common.errors), which the app renders as the HTTP error.
 * Cancellation: `cancel_on_disconnect` runs a call while watching the HTTP client; when the client
@@ -125,9 +126,10 @@ class TokenizerPool:
         health_interval_s: float = 5.0,
         health_timeout_s: float = 2.0,
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.addresses = list(addresses)
-        self.dialer = Dialer(tls)  # remembers the DNS name each endpoint was resolved from
+        self.dialer = Dialer(tls, token=token)  # remembers the DNS name each endpoint was resolved from
         self.resolve_interval_s = resolve_interval_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s

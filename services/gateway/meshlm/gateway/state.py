@@ -17,7 +17,7 @@ CONTROL_TIMEOUT_S = 30.0  # deadline of control calls (model info, flush, sessio
 class GatewayState:
     def __init__(self, config: GatewayConfig, pool: TokenizerPool | None = None) -> None:
         self.config = config
-        self.pool = pool or TokenizerPool(config.tokenizer_addrs, tls=config.tls)
+        self.pool = pool or TokenizerPool(config.tokenizer_addrs, tls=config.tls, token=config.tokenizer_token)
         self.started = int(time.time())
         self._model_info: common_pb2.ModelInfo | None = None
 

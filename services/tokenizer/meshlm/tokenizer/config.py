@@ -3,8 +3,10 @@
 Every field is a CLI flag (`--scheduler-addrs`, underscores become dashes) with an environment
 fallback `MESHLM_TOKENIZER_<FIELD>` (e.g. MESHLM_TOKENIZER_SCHEDULER_ADDRS="s0:50052,s1:50052"),
 the meshlm.common.flags way. Precedence: flag > environment > default. The shared fields (host,
-port, logging, OTLP, grace period, metrics/health ports, tls) are GrpcServiceConfig's; `tls`
-secures the server and the scheduler / detokenizer clients alike.
+port, logging, OTLP, grace period, metrics/health ports, tls, auth) are GrpcServiceConfig's; `tls`
+secures the server and the scheduler / detokenizer clients alike; auth's API key guards the
+public TokenizerService (which also accepts the internal token), its internal token goes on
+every call to the schedulers and detokenizers.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class TokenizerConfig(GrpcServiceConfig):
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
     COMPONENT: ClassVar[str] = "tokenizer"
+    PUBLIC_API: ClassVar[bool] = True
     FLAGS: ClassVar[Mapping[str, Flag]] = MappingProxyType(
         {
             **GrpcServiceConfig.FLAGS,

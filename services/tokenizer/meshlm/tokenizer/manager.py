@@ -76,7 +76,7 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self.metrics = TokenizerMetrics(metrics)
         self.inflight = InFlight(self.metrics, config.request_timeout_s)
-        dialer = Dialer(config.tls)
+        dialer = Dialer(config.tls, token=config.auth.internal_token_value)
         self.dispatch = Dispatcher(config, self.inflight, self._refresh_model_info, dialer=dialer)
         self.schedulers = self.dispatch.schedulers
         self.detokenizers = DetokenizerPool(

@@ -166,7 +166,15 @@ async def start_server(
     await manager.start()
     try:
         await manager.load_tokenizer()
-        server = GrpcServer([SERVICE_NAME], config.host, config.port, tls=config.tls, health_port=config.health_port)
+        server = GrpcServer(
+            [SERVICE_NAME],
+            config.host,
+            config.port,
+            tls=config.tls,
+            health_port=config.health_port,
+            auth=config.auth,
+            public_services=[SERVICE_NAME],
+        )
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(manager), server.server)
         await server.start()
         serving = manager.peers_ready()

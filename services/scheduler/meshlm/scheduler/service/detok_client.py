@@ -56,10 +56,13 @@ class DetokenizerPushClient(PeerStream):
         write_timeout_s: float = 10.0,
         resolver: Resolver = addresses.resolve,
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         """tls: the Push channels use TLS (mTLS with a CA) when enabled; an endpoint resolved
-        from a DNS name is verified against that name."""
-        super().__init__(scheduler_id, "detokenizer", Dialer(tls, resolver), connect_timeout_s=connect_timeout_s)
+        from a DNS name is verified against that name. token: the ring's internal token, sent
+        on every Push."""
+        dialer = Dialer(tls, resolver, token=token)
+        super().__init__(scheduler_id, "detokenizer", dialer, connect_timeout_s=connect_timeout_s)
         self.scheduler_id = scheduler_id
         self.addrs = list(addrs)
         self.tracker = tracker

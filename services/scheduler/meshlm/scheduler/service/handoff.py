@@ -114,11 +114,12 @@ class DecodeHandoffClient:
         tls: TlsConfig | None = None,
         resolver: Resolver = addresses.resolve,
         connect_timeout_s: float = 2.0,
+        token: str | None = None,
     ) -> None:
         self.scheduler_id = scheduler_id
         self.on_error, self.on_lost, self.on_done = on_error, on_lost, on_done
         self.connect_timeout_s = connect_timeout_s
-        self.dialer = Dialer(tls, resolver)
+        self.dialer = Dialer(tls, resolver, token=token)
         self._peers: PeerSet[DecodeLink] = PeerSet(
             addrs, self.dialer, self._link, "decode scheduler", RESOLVE_INTERVAL_S
         )

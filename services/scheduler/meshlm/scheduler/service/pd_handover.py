@@ -38,6 +38,7 @@ class PrefillHandover:
         tracker: RequestTracker,
         ends: RequestEnds,
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.scheduler_id = scheduler_id
         self._tracker = tracker
@@ -49,6 +50,7 @@ class PrefillHandover:
             on_lost=self._lost,
             on_done=ends.forget,
             tls=tls,
+            token=token,
         )
 
     # ---- life cycle ---------------------------------------------------------------------

@@ -86,7 +86,9 @@ class SchedulerServer:
         # The model loads in a worker thread so the event loop stays responsive.
         runtime = await asyncio.to_thread(SchedulerRuntime, self.engine_config, self._on_output, self._on_control)
         self.runtime = runtime
-        self.grpc = GrpcServer([SERVICE_NAME], svc.host, svc.port, tls=svc.tls, health_port=svc.health_port)
+        self.grpc = GrpcServer(
+            [SERVICE_NAME], svc.host, svc.port, tls=svc.tls, health_port=svc.health_port, auth=svc.auth
+        )
         self.port = self.grpc.bind()
         self.scheduler_id = svc.resolved_scheduler_id(self.port)
         self.servicer = self._build_servicer(runtime)
@@ -123,7 +125,14 @@ class SchedulerServer:
         if self.engine_config.disaggregation_mode == "prefill":
             # The prefill side's own failures have nothing left to abort downstream.
             local_ends = RequestEnds(put, self.tracker, connections)
-            self.handover = PrefillHandover(sid, svc.decode_addrs, tracker=self.tracker, ends=local_ends, tls=svc.tls)
+            self.handover = PrefillHandover(
+                sid,
+                svc.decode_addrs,
+                tracker=self.tracker,
+                ends=local_ends,
+                tls=svc.tls,
+                token=svc.auth.internal_token_value,
+            )
         ends = RequestEnds(put, self.tracker, connections, downstream=self.handover)
         unavailable = f"scheduler {sid}: no detokenizer reachable"
         self.detok = DetokenizerPushClient(
@@ -133,6 +142,7 @@ class SchedulerServer:
             lambda rids: ends.fail_rids(rids, unavailable, 503),
             fail_after_s=svc.detokenizer_timeout_s,
             tls=svc.tls,
+            token=svc.auth.internal_token_value,
         )
         calls = ControlCalls(put, connections, sid)
         load = LoadReporter(

@@ -49,16 +49,14 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 TOKEN_KEY_PATTERN = r"^[0-9]{1,10}$"  # a token id as a JSON object key; <= INT32_MAX is checked after
-
-
-def logit_bias_type(low: float, high: float) -> Any:
-    """logit_bias: {token id as a string: bias in [low, high]}, at most MAX_LOGIT_BIAS entries."""
-    key = Annotated[str, Field(pattern=TOKEN_KEY_PATTERN)]
-    value = Annotated[float, Field(ge=low, le=high)]
-    return Annotated[
-        dict[key, value],
-        Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False}),
-    ]
+TokenKey = Annotated[str, Field(pattern=TOKEN_KEY_PATTERN)]
+_BIAS_MAP = Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})
+OPENAI_MAX_LOGIT_BIAS = 100  # OpenAI's bias range is [-100, 100]
+# logit_bias: {token id as a string: bias}, at most MAX_LOGIT_BIAS entries; OpenAI's range, or any float32.
+OpenAILogitBias = Annotated[
+    dict[TokenKey, Annotated[float, Field(ge=-OPENAI_MAX_LOGIT_BIAS, le=OPENAI_MAX_LOGIT_BIAS)]], _BIAS_MAP
+]
+NativeLogitBias = Annotated[dict[TokenKey, Float32], _BIAS_MAP]
 
 
 def check_token_keys(bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -104,6 +102,7 @@ __all__ = [
     "TokenIdList",
     "TokenIds",
     "check_token_keys",
-    "logit_bias_type",
+    "NativeLogitBias",
+    "OpenAILogitBias",
     "ruled",
 ]

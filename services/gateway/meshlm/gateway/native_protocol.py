@@ -9,11 +9,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from meshlm.common.input_limits import FLOAT32_MAX, INT32_MAX, MAX_PROMPTS, MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS_NUM
+from meshlm.common.input_limits import INT32_MAX, MAX_PROMPTS, MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS_NUM
 from meshlm.common.sampling_rules import RANGES
 from meshlm.gateway.input_types import (
     IdText,
     Int32,
+    NativeLogitBias,
     PromptText,
     PromptTexts,
     RequestId,
@@ -23,7 +24,6 @@ from meshlm.gateway.input_types import (
     TokenIdBatch,
     TokenIds,
     check_token_keys,
-    logit_bias_type,
     ruled,
 )
 
@@ -52,7 +52,7 @@ class NativeSamplingParams(BaseModel):
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     n: int | None = ruled(None, "n")
-    logit_bias: logit_bias_type(-FLOAT32_MAX, FLOAT32_MAX) | None = None  # type: ignore[valid-type]
+    logit_bias: NativeLogitBias | None = None
     sampling_seed: int | None = ruled(None, "sampling_seed")
     stream_interval: int | None = ruled(None, "stream_interval")
     json_schema: str | None = None

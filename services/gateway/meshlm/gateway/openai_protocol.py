@@ -17,6 +17,7 @@ from meshlm.common.sampling_rules import RANGES
 from meshlm.gateway.input_types import (
     MessageText,
     Name,
+    OpenAILogitBias,
     PromptText,
     PromptValue,
     RequestId,
@@ -24,14 +25,12 @@ from meshlm.gateway.input_types import (
     StopTokenIds,
     TokenIdList,
     check_token_keys,
-    logit_bias_type,
     ruled,
 )
 
 # ---------------------------------------------------------------------------- requests
 
 OPENAI_MAX_TEMPERATURE = 2  # OpenAI's limit; the servers take any finite temperature >= 0
-OPENAI_MAX_LOGIT_BIAS = 100  # OpenAI's bias range is [-100, 100]
 
 
 class _Request(BaseModel):
@@ -57,7 +56,7 @@ class _SamplingFields(_Request):
     top_p: float | None = ruled(None, "top_p", "default 1.0")
     presence_penalty: float | None = ruled(None, "presence_penalty")
     frequency_penalty: float | None = ruled(None, "frequency_penalty")
-    logit_bias: logit_bias_type(-OPENAI_MAX_LOGIT_BIAS, OPENAI_MAX_LOGIT_BIAS) | None = None  # type: ignore[valid-type]
+    logit_bias: OpenAILogitBias | None = None
     user: Name | None = None
     # SGLang extras
     top_k: int | None = ruled(None, "top_k", "-1 = whole vocabulary")

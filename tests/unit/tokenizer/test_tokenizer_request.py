@@ -189,8 +189,8 @@ def test_embed_normalisation(tok):
             "sampling_params.min_new_tokens (5) must be <= max_new_tokens (2)",
         ),
         (
-            gen(text("x"), sampling_params=common_pb2.SamplingParams(regex="a+")),
-            "sampling_params.regex: structured output is not implemented",
+            gen(text("x"), sampling_params=common_pb2.SamplingParams(json_schema="{bad")),
+            "sampling_params.json_schema is not valid JSON",
         ),
         (
             gen(text("x"), sampling_params=common_pb2.SamplingParams(logit_bias={VOCAB + 5: 1.0})),

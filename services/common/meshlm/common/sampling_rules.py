@@ -20,6 +20,7 @@ Conventions of `check_sampling_params(values, vocab_size)`:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ __all__ = [
 FIELD = "sampling_params."  # every message names the field as sampling_params.<name>
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request does not set max_new_tokens
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-STRUCTURED_OUTPUT_FIELDS = ("json_schema", "regex", "ebnf")  # not implemented: set = rejected
+STRUCTURED_OUTPUT_FIELDS = ("json_schema", "regex", "ebnf")  # constrained decoding: at most one
 
 
 class Bounds(TypedDict, total=False):
@@ -203,9 +204,7 @@ def check_sampling_params(values: Mapping[str, Any], vocab_size: int | None = No
         value = values.get(name)
         if value is not None and not isinstance(value, bool):
             _fail(f"{name} must be true or false, got {value!r}")
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        if values.get(name) is not None:
-            _fail(f"{name}: structured output is not implemented; leave it unset")
+    _check_structured_output(values)
     _check_stop(values.get("stop"))
     _check_stop_token_ids(values.get("stop_token_ids"), vocab_size)
     _check_logit_bias(values.get("logit_bias"), vocab_size)
@@ -219,6 +218,25 @@ def _check_lengths(values: Mapping[str, Any]) -> None:
     max_new = values.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if min_new is not None and max_new is not None and min_new > max_new:
         _fail(f"min_new_tokens ({min_new}) must be <= max_new_tokens ({max_new})")
+
+
+def _check_structured_output(values: Mapping[str, Any]) -> None:
+    """json_schema / regex / ebnf: strings, at most one set, json_schema a JSON object (the
+    cheap checks; whether the scheduler's grammar backend compiles them is its own check)."""
+    given = [name for name in STRUCTURED_OUTPUT_FIELDS if values.get(name) is not None]
+    for name in given:
+        if not isinstance(values[name], str):
+            _fail(f"{name} must be a string, got {type(values[name]).__name__}")
+    if len(given) > 1:
+        _fail(f"{given[0]} and {given[1]} are both set; only one of json_schema, regex and ebnf may be set")
+    schema = values.get("json_schema")
+    if schema is not None:
+        try:
+            parsed = json.loads(schema)
+        except ValueError as e:
+            _fail(f"json_schema is not valid JSON: {e}")
+        if not isinstance(parsed, (dict, bool)):
+            _fail(f"json_schema must be a JSON object (a JSON Schema), got {type(parsed).__name__}")
 
 
 def _check_stop(stop: Any) -> None:

@@ -91,6 +91,13 @@ def _launch(args: argparse.Namespace) -> int:
             "(it sets each scheduler's --disaggregation-mode)"
         )
     model = resolve_model_path(config.model_path)
+    gateway_args: list[str] = []
+    if args.tool_call_parser:
+        gateway_args += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        gateway_args += ["--reasoning-parser", args.reasoning_parser]
+    if args.strict_api:
+        gateway_args.append("--strict-api")
     plan = LaunchPlan(
         model_path=str(model),
         tokenizer_path=str(config.tokenizer_path or model),
@@ -103,6 +110,7 @@ def _launch(args: argparse.Namespace) -> int:
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
         tokenizer_args=("--routing-policy", args.routing_policy),
+        gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
         tls=tls,
@@ -165,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer processes (default: 1)")
     lau.add_argument("--detokenizer-replicas", type=int, default=1, help="detokenizer processes (default: 1)")
     lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")
+    lau.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the gateway's tool-call parser for tool_choice auto: hermes | qwen25 | llama3_json | mistral | pythonic",
+    )
+    lau.add_argument("--reasoning-parser", default=None, help="the gateway's reasoning parser: deepseek-r1 | qwen3")
+    lau.add_argument(
+        "--strict-api", action="store_true", help="the gateway rejects request fields it does not support (400)"
+    )
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host
     # The API key guards the gateway and the tokenizers' gRPC API; the internal token (random

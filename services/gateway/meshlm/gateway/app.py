@@ -48,6 +48,9 @@ class GatewayMetrics:
         self.duration = self.metrics.histogram(
             "http_request_duration_seconds", "HTTP request latency (to the last byte)", ("route",)
         )
+        self.stalled_streams = self.metrics.counter(
+            "stalled_streams_total", "SSE streams dropped because the client did not read (stream_stall_timeout_s)"
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.metrics.registry)

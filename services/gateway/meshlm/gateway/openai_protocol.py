@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from meshlm.common.input_limits import INT32_MAX, MAX_MESSAGES, MAX_N, MAX_TOP_LOGPROBS
 from meshlm.common.sampling_rules import RANGES
 from meshlm.gateway.input_types import (
+    IdText,
     MessageText,
     Name,
     OpenAILogitBias,
@@ -27,6 +28,7 @@ from meshlm.gateway.input_types import (
     check_token_keys,
     ruled,
 )
+from meshlm.gateway.openai_tool_types import DeltaToolCall, Tool, ToolCallIn, ToolCallOut, ToolChoice
 
 # ---------------------------------------------------------------------------- requests
 
@@ -34,8 +36,10 @@ OPENAI_MAX_TEMPERATURE = 2  # OpenAI's limit; the servers take any finite temper
 
 
 class _Request(BaseModel):
-    # strict: "16" is not an int and "true" is not a bool; no inf/nan; unknown fields are ignored (as SGLang).
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # strict: "16" is not an int and "true" is not a bool; no NaN / inf. Unknown fields are kept in
+    # model_extra so that each request's unsupported fields are logged or, with --strict-api,
+    # rejected (openai_fields.py): never dropped without a word.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -73,7 +77,6 @@ class _SamplingFields(_Request):
     regex: str | None = None
     ebnf: str | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -107,6 +110,9 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: MessageText | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: IdText | None = None  # tool: the call this message answers
+    reasoning_content: MessageText | None = None  # assistant: its earlier thinking (templates may render it)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -115,8 +121,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = ruled(None, "max_new_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    continue_final_message: bool = False
-    tool_choice: Any | None = None
+    continue_final_message: bool = Field(False, description="leave the final assistant message open (transformers')")
+    add_generation_prompt: bool | None = Field(None, description="default: not continue_final_message")
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, else none")
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="passed to the chat template as the variable reasoning_effort"
+    )
+    separate_reasoning: bool = Field(True, description="split thinking into reasoning_content (--reasoning-parser)")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -133,9 +147,18 @@ class EmbeddingRequest(_Request):
 
 
 class TokenizeRequest(_Request):
+    """Text (`prompt`) or a chat (`messages`, or `prompt` as a list of messages) rendered as
+    /v1/chat/completions renders it (vLLM's tokenize request)."""
+
     model: Name | None = None
-    prompt: PromptText | Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    prompt: PromptText | Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -214,13 +237,19 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extras(self, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     matched_stop: int | str | None = None
 
 
@@ -237,6 +266,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict:
@@ -247,7 +278,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     matched_stop: int | str | None = None
 
 

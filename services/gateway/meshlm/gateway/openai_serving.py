@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -16,6 +16,8 @@ from meshlm.common.log import request_id_var
 from meshlm.gateway.errors import bad_request
 from meshlm.gateway.grpc_client import ClientDisconnected, cancel_on_disconnect, trace_context
 from meshlm.gateway.json_body import StrictJsonRoute
+from meshlm.gateway.openai_chat import ChatPlan, ChoiceParts, plan_chat
+from meshlm.gateway.openai_fields import report_unsupported
 from meshlm.gateway.openai_outputs import (
     base64_floats,
     chat_logprobs_of,
@@ -28,7 +30,6 @@ from meshlm.gateway.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
@@ -69,6 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise bad_request("best_of is not supported (it must equal n)", "best_of")
     rid = body.rid or uuid.uuid4().hex
     request_id_var.set(rid)
+    report_unsupported(body, st.config.strict_api, rid)
     want_lp = body.logprobs is not None
     greq = tokenizer_pb2.GenerateRequest(
         rid=rid,
@@ -174,10 +176,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     rid = body.rid or uuid.uuid4().hex
     request_id_var.set(rid)
+    report_unsupported(body, st.config.strict_api, rid)
+    plan = plan_chat(body, st.config)
     greq = tokenizer_pb2.GenerateRequest(
         rid=rid,
         prompts=[chat_prompt(body)],
-        sampling_params=build_sampling(body, body.max_new_tokens),
+        sampling_params=build_sampling(body, body.max_new_tokens, plan.tool_schema),
         return_logprob=body.logprobs,
         top_logprobs_num=body.top_logprobs or 0,
         return_text_in_logprobs=body.logprobs,
@@ -185,26 +189,41 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         trace=trace_context(),
     )
     if body.stream:
-        return await _stream_chat(request, st, greq, body, model)
+        return await _stream_chat(request, st, greq, body, model, plan)
     try:
         outputs = await run_generate(request, st, greq)
     except ClientDisconnected:
         return disconnected()
-    choices = [
-        ChatChoice(
-            index=index,
-            message=ChatMessageOut(content=out.text),
-            logprobs=chat_logprobs_of(logprob_delta(out), body.top_logprobs or 0) if body.logprobs else None,
-            finish_reason=out.openai_finish_reason(),
-            matched_stop=out.matched_stop(),
+    choices = []
+    for index, out in sorted(outputs.items()):
+        parts = plan.new_choice()
+        parts.feed(out.text)
+        parts.finish()
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=parts.message(),
+                logprobs=chat_logprobs_of(logprob_delta(out), body.top_logprobs or 0) if body.logprobs else None,
+                finish_reason=_chat_finish(out, parts),
+                matched_stop=out.matched_stop(),
+            )
         )
-        for index, out in sorted(outputs.items())
-    ]
     return json_response(ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(outputs, body.n)))
 
 
+def _chat_finish(out: Output, parts: ChoiceParts) -> Literal["stop", "length", "tool_calls"] | None:
+    """OpenAI's finish reason of a chat choice: tool_calls when it stopped having made calls."""
+    reason = out.openai_finish_reason()
+    return "tool_calls" if reason == "stop" and parts.has_calls else reason
+
+
 async def _stream_chat(
-    request: Request, st: GatewayState, greq: tokenizer_pb2.GenerateRequest, body: ChatCompletionRequest, model: str
+    request: Request,
+    st: GatewayState,
+    greq: tokenizer_pb2.GenerateRequest,
+    body: ChatCompletionRequest,
+    model: str,
+    plan: ChatPlan,
 ) -> Response:
     stream = await open_sse_stream(request, st, greq)
     if isinstance(stream, Response):
@@ -219,21 +238,29 @@ async def _stream_chat(
             ).model_dump(mode="json")
         )
 
+    parts: dict[int, ChoiceParts] = {}
+
     def on_response(out: Output, response: tokenizer_pb2.GenerateResponse, first: bool) -> Iterable[str]:
         index = response.index
         if first:  # the first delta of each choice carries the role
+            parts[index] = plan.new_choice()
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        choice = parts[index]
         logprobs = None
         if body.logprobs and len(response.meta_info.logprobs.output_token_logprobs):
             logprobs = chat_logprobs_of(response.meta_info.logprobs, body.top_logprobs or 0)
-        if response.text or logprobs:
-            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=response.text), logprobs=logprobs))
+        delta = choice.feed(response.text) if response.text else None
+        if delta is not None or logprobs:
+            yield chunk(ChatStreamChoice(index=index, delta=delta or DeltaMessage(), logprobs=logprobs))
         if out.finished:
+            rest = choice.finish()
+            if rest is not None:
+                yield chunk(ChatStreamChoice(index=index, delta=rest))
             yield chunk(
                 ChatStreamChoice(
                     index=index,
                     delta=DeltaMessage(),
-                    finish_reason=out.openai_finish_reason(),
+                    finish_reason=_chat_finish(out, choice),
                     matched_stop=out.matched_stop(),
                 )
             )
@@ -257,6 +284,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     ereq = tokenizer_pb2.EmbedRequest(
         rid=body.rid or uuid.uuid4().hex, prompts=prompts_of(body.input), trace=trace_context()
     )
+    report_unsupported(body, st.config.strict_api, ereq.rid)
     try:
         reply = await cancel_on_disconnect(request, st.pool.embed(ereq, timeout=st.config.request_timeout_s))
     except ClientDisconnected:
@@ -306,14 +334,16 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     st = get_state(request)
     await st.check_model(body.model)
+    report_unsupported(body, st.config.strict_api, "tokenize")
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("set exactly one of prompt (text or messages) and messages", "prompt")
     if isinstance(body.prompt, str):
         prompt = tokenizer_pb2.Prompt(text=body.prompt)
     else:
-        msgs = [
-            tokenizer_pb2.ChatMessage(role=m.role, content=m.content if isinstance(m.content, str) else "")
-            for m in body.prompt
-        ]
-        prompt = tokenizer_pb2.Prompt(messages=tokenizer_pb2.ChatMessages(messages=msgs))
+        messages = body.messages if body.messages is not None else body.prompt
+        if not messages:
+            raise bad_request("messages must not be empty", "messages")
+        prompt = chat_prompt(body, messages)
     reply = await st.pool.tokenize(
         tokenizer_pb2.TokenizeRequest(prompt=prompt, add_special_tokens=body.add_special_tokens),
         timeout=st.control_timeout_s,
@@ -325,6 +355,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     st = get_state(request)
     await st.check_model(body.model)
+    report_unsupported(body, st.config.strict_api, "detokenize")
     dreq = tokenizer_pb2.DetokenizeRequest(tokens=body.tokens)
     if body.skip_special_tokens is not None:
         dreq.skip_special_tokens = body.skip_special_tokens

@@ -6,7 +6,10 @@ one whole message per output when not streaming; `Output.add` handles both the s
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -15,6 +18,8 @@ from fastapi.responses import StreamingResponse
 from meshlm.common.finish import FinishKind, FinishReason
 from meshlm.gateway.errors import APIError, error_body
 from meshlm.v1 import common_pb2, tokenizer_pb2
+
+logger = logging.getLogger(__name__)
 
 LOGPROB_FIELDS = (
     "input_token_logprobs",
@@ -120,9 +125,39 @@ def sse_error(status: int, message: str) -> str:
     return sse(error_body(status, message))
 
 
+class StreamStalled(Exception):
+    """The client accepted nothing for stream_stall_timeout_s (it does not read its stream)."""
+
+
+def _stalled(exc: BaseException) -> bool:
+    """exc is StreamStalled, or a group (a task group's) holding only that."""
+    if isinstance(exc, StreamStalled):
+        return True
+    group = getattr(exc, "exceptions", None)  # BaseExceptionGroup (a builtin from 3.11)
+    return isinstance(group, tuple) and bool(group) and all(_stalled(e) for e in group)
+
+
+async def _send_within(send: Any, message: Any, timeout_s: float) -> None:
+    try:
+        if sys.version_info >= (3, 11):
+            async with asyncio.timeout(timeout_s):
+                await send(message)
+        else:  # pragma: no cover (3.10)
+            await asyncio.wait_for(send(message), timeout_s)
+    except asyncio.TimeoutError:
+        raise StreamStalled(f"the client accepted nothing for stream_stall_timeout_s={timeout_s:g}s") from None
+
+
 class SSEResponse(StreamingResponse):
     """An SSE stream that runs `on_close` however the response ends (finished, client gone, server
-    shutting down), even if the body never started, so the gRPC call behind it is always cancelled."""
+    shutting down, stalled), even if the body never started, so the gRPC call behind it is always
+    cancelled.
+
+    Bounded per stream: the body is produced only as fast as the client takes it (uvicorn pauses a
+    send while its 64 KiB write buffer is full, and the gRPC call is read no faster than that). A
+    send that waits longer than the gateway's stream_stall_timeout_s (the client does not read) ends
+    the stream: the call is cancelled (the tokenizer aborts the request and its KV is freed), the
+    stall is logged and counted (meshlm:stalled_streams_total) and uvicorn closes the connection."""
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
         super().__init__(
@@ -131,8 +166,26 @@ class SSEResponse(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        app_state = getattr(scope.get("app"), "state", None)
+        gateway = getattr(app_state, "gateway", None)
+        stall_s: float | None = gateway.config.stream_stall_timeout_s if gateway is not None else None
+
+        async def guarded_send(message: Any) -> None:
+            if stall_s is None:
+                await send(message)
+            else:
+                await _send_within(send, message, stall_s)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, guarded_send)
+        except BaseException as e:
+            if not _stalled(e):
+                raise
+            client = scope.get("client") or ("?", 0)
+            logger.warning("SSE client %s:%s stalled: %s; request aborted, closing", client[0], client[1], e)
+            metrics = getattr(app_state, "metrics", None)
+            if metrics is not None:
+                metrics.stalled_streams.inc()
         finally:
             if self.on_close is not None:
                 self.on_close()

@@ -14,6 +14,7 @@ POLICIES = ("fcfs", "lpm")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")  # meshlm.scheduler.attention.BACKENDS
 FUSED_OPS = ("auto", "torch")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")  # meshlm.scheduler.constrained.backends
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class SchedulerConfig:
     random_seed: int | None = None
     tp_size: int = 1
     disaggregation_mode: str = "null"  # null = unified; prefill / decode = PD roles
+    grammar_backend: str = "xgrammar"  # structured output: xgrammar | llguidance | none
+    constrained_json_disable_any_whitespace: bool = False  # compact JSON under json_schema
+    constrained_json_max_whitespace: int = 2  # longest whitespace run a JSON grammar allows
     load_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -80,6 +84,14 @@ class SchedulerConfig:
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
         need(self.fused_ops in FUSED_OPS, f"fused_ops must be one of {FUSED_OPS}, got {self.fused_ops!r}")
+        need(
+            self.grammar_backend in GRAMMAR_BACKENDS,
+            f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}",
+        )
+        need(
+            self.constrained_json_max_whitespace >= 1,
+            f"constrained_json_max_whitespace must be >= 1, got {self.constrained_json_max_whitespace}",
+        )
         if self.max_total_tokens is not None:
             need(self.max_total_tokens >= 16, f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.max_running_requests is not None:
@@ -141,6 +153,17 @@ class SchedulerConfig:
             "disaggregation_mode": (
                 "prefill/decode disaggregation role: null (prefill and decode here) | prefill "
                 "(compute prompts, hand KV + first token to a decode scheduler) | decode"
+            ),
+            "grammar_backend": (
+                "structured output (sampling_params json_schema / regex / ebnf, response_format): "
+                "xgrammar (default) | llguidance | none (constrained requests are refused)"
+            ),
+            "constrained_json_disable_any_whitespace": (
+                "json_schema grammars allow no free whitespace: compact JSON (SGLang's flag)"
+            ),
+            "constrained_json_max_whitespace": (
+                "the longest run of whitespace a json_schema grammar allows between two JSON "
+                "tokens (keeps a small model from emitting newlines until max_new_tokens)"
             ),
             "load_progress": "show a progress bar while loading weights",
         }

@@ -54,6 +54,10 @@ class TokenizerConfig(GrpcServiceConfig):
             "max_queued_requests": Flag("most in-flight requests of this replica; more get RESOURCE_EXHAUSTED"),
             "request_timeout_s": Flag("seconds without output before a request fails with DEADLINE_EXCEEDED"),
             "connect_timeout_s": Flag("seconds a request waits for a scheduler/detokenizer before UNAVAILABLE"),
+            "max_stream_backlog_bytes": Flag(
+                "most bytes of output a streaming call may have undelivered (its caller not reading);"
+                " past it the call is aborted with RESOURCE_EXHAUSTED"
+            ),
             "parallel_sample_warmup": Flag(
                 "n>1: prefill each prompt once before fanning out (true|false)", parse=parse_bool
             ),
@@ -76,6 +80,9 @@ class TokenizerConfig(GrpcServiceConfig):
     request_timeout_s: float = 300.0
     # How long a request waits for a scheduler / detokenizer connection before UNAVAILABLE.
     connect_timeout_s: float = 5.0
+    # Undelivered output of one call (a caller that does not read its stream) beyond which the
+    # call is aborted (its KV freed) with RESOURCE_EXHAUSTED.
+    max_stream_backlog_bytes: int = 4 << 20
     # n>1: first run one max_new_tokens=0 request per prompt to warm the radix prefix cache.
     parallel_sample_warmup: bool = True
     # Model name reported by GetModelInfo (default: the scheduler's).
@@ -100,6 +107,10 @@ class TokenizerConfig(GrpcServiceConfig):
         need(
             self.request_timeout_s > 0,
             f"request_timeout_s must be > 0, got {self.request_timeout_s}",
+        )
+        need(
+            self.max_stream_backlog_bytes >= 1,
+            f"max_stream_backlog_bytes must be >= 1, got {self.max_stream_backlog_bytes}",
         )
         need(
             self.connect_timeout_s > 0,

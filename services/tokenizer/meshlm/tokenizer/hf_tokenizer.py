@@ -166,28 +166,67 @@ class HFTokenizer:
 
     # ---- chat -----------------------------------------------------------------------------
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
-        """The prompt text for a conversation (transformers' render, tokenize=False)."""
+        """The prompt text for a conversation (transformers' render, tokenize=False).
+
+        `kwargs` are template variables (tools, documents, chat_template_kwargs). With
+        continue_final_message the final message is left open, as transformers does it: the render
+        is cut right after the last occurrence of that message's content (stripped, if the
+        template trims it), so the prompt ends with the content and no end-of-turn tokens."""
         if self.chat_template is None:
             raise ChatTemplateError(f"the tokenizer at {str(self.path)!r} has no chat template; send text or input_ids")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible")
         if self._compiled is None:
             self._compiled = _compile(self.chat_template)
         # As transformers: tools/documents are passed (None when absent), so templates that
         # test `tools is not none` behave the same.
         variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
-            return self._compiled.render(
+            rendered: str = self._compiled.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template rejected the messages: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ChatTemplateError(f"chat template failed on the messages: {e!r}") from e
+        if continue_final_message:
+            rendered = _cut_after_final(rendered, messages[-1].get("content"))
+        return rendered
 
     def chat_ids(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> tuple[str, list[int]]:
         """(rendered text, its ids). The template holds the special tokens: none are added."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
         return text, self.encode(text, add_special_tokens=False)
+
+
+def _cut_after_final(rendered: str, content: Any) -> str:
+    """`rendered` up to the end of the final message's content (its last occurrence)."""
+    if isinstance(content, list):  # content parts: the last text part, as transformers
+        texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with non-empty content")
+    for needle in (content, content.strip()):
+        at = rendered.rfind(needle)
+        if at >= 0:
+            return rendered[: at + len(needle)]
+    raise ChatTemplateError("continue_final_message: the template does not render the final message's content")

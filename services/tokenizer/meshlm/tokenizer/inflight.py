@@ -5,6 +5,12 @@ closes; what the ring sends back for it (text deltas from the detokenizer subscr
 embeddings from the schedulers) becomes a typed event (state.Event) on its call's queue. A rid no
 longer registered is dropped: finished, aborted, moved to `<rid>_retry`, or a late resend.
 `idle` is set while no call is open (drain waits on it).
+
+A caller that does not read its stream (the RPC handler blocked in a yield while gRPC's flow
+control is full) makes its call's queue grow; past max_stream_backlog_bytes of undelivered output
+the call fails (overflow): its requests are aborted at their schedulers at once (KV freed), the
+backlog is dropped and the caller gets RESOURCE_EXHAUSTED when it reads again. No other call is
+affected: deliveries never wait on a consumer.
 """
 
 from __future__ import annotations
@@ -54,9 +60,12 @@ class CallScope:
 
 
 class InFlight:
-    def __init__(self, metrics: TokenizerMetrics, request_timeout_s: float) -> None:
+    def __init__(
+        self, metrics: TokenizerMetrics, request_timeout_s: float, max_stream_backlog_bytes: int = 1 << 62
+    ) -> None:
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
+        self.max_stream_backlog_bytes = max_stream_backlog_bytes
         self.states: dict[str, ReqState] = {}  # wire rid -> state
         self.calls: set[Call] = set()
         self.idle = asyncio.Event()
@@ -153,6 +162,27 @@ class InFlight:
                 if state.kind is ReqKind.GENERATE:
                     self.metrics.observe_finish(state, delta.finish, now)
             state.call.queue.put_nowait(DeltaEvent(state, delta))
+            if state.call.queue.nbytes > self.max_stream_backlog_bytes:
+                self.overflow(state.call)
+
+    def overflow(self, call: Call) -> None:
+        """The caller is not reading: abort the call's unfinished requests, drop its backlog and
+        queue the error it ends with (see the module docstring)."""
+        backlog = call.queue.nbytes
+        message = (
+            f"request {call.rid}: the caller did not read its stream ({backlog} bytes of output undelivered,"
+            f" max_stream_backlog_bytes={self.max_stream_backlog_bytes}); aborted"
+        )
+        error = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        call.queue.drop_all()
+        for state in call.states:
+            if not state.finished:
+                self.pop(state)
+                state.conn.send(abort_msg(state.wire_rid, "the caller did not read its stream"))
+                self.metrics.num_aborted_requests.inc()
+        self.metrics.num_slow_stream_aborts.inc()
+        state0 = call.states[0]
+        call.queue.put_nowait(ErrorEvent(state0, error))
 
     def _embed_rejected(self, state: ReqState, d: detokenizer_pb2.TextDelta) -> None:
         """The scheduler loop rejects an embedding request (bad input, queue full) with a token

@@ -75,7 +75,7 @@ class TokenizerManager:
         self.origin = config.tokenizer_id
         self.tokenizer = tokenizer
         self.metrics = TokenizerMetrics(metrics)
-        self.inflight = InFlight(self.metrics, config.request_timeout_s)
+        self.inflight = InFlight(self.metrics, config.request_timeout_s, config.max_stream_backlog_bytes)
         dialer = Dialer(config.tls, token=config.auth.internal_token_value)
         self.dispatch = Dispatcher(config, self.inflight, self._refresh_model_info, dialer=dialer)
         self.schedulers = self.dispatch.schedulers

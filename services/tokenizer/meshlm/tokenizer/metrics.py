@@ -25,6 +25,9 @@ class TokenizerMetrics:
         self.e2e_request_latency = m.histogram("e2e_request_latency_seconds", "End-to-end request latency (s).")
         self.num_requests = m.counter("num_requests_total", "Finished requests (one per output).")
         self.num_aborted_requests = m.counter("num_aborted_requests_total", "Aborted requests.")
+        self.num_slow_stream_aborts = m.counter(
+            "num_slow_stream_aborts_total", "Calls aborted: their caller did not read (max_stream_backlog_bytes)."
+        )
         self.prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = m.counter("generation_tokens_total", "Generated tokens of finished requests.")
 

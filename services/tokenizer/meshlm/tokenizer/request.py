@@ -18,6 +18,7 @@ from typing import Any
 
 from meshlm.common import sampling_rules
 from meshlm.tokenizer import limits
+from meshlm.tokenizer.chat import ChatInputError, message_dict, template_variables
 from meshlm.tokenizer.hf_tokenizer import ChatTemplateError, HFTokenizer
 from meshlm.tokenizer.limits import InvalidRequest as InvalidRequest  # raised by every function here
 from meshlm.tokenizer.limits import as_invalid_request
@@ -91,12 +92,25 @@ def tokenize_prompt(
             bool(m.role),
             f"{where}.messages[{i}].role is empty; expected system, user, assistant or tool",
         )
-    add_gen = msgs.add_generation_prompt if msgs.HasField("add_generation_prompt") else True
+    cont = msgs.continue_final_message
+    add_gen = msgs.add_generation_prompt if msgs.HasField("add_generation_prompt") else not cont
+    _need(
+        not (cont and add_gen),
+        f"{where}: continue_final_message and add_generation_prompt are not compatible (set one)",
+    )
+    _need(
+        not cont or msgs.messages[-1].role == "assistant",
+        f"{where}: continue_final_message needs an assistant message last",
+    )
     try:
         text, ids = tok.chat_ids(
-            [{"role": m.role, "content": m.content} for m in msgs.messages],
+            [message_dict(m) for m in msgs.messages],
             add_generation_prompt=add_gen,
+            continue_final_message=cont,
+            **template_variables(msgs, where),
         )
+    except ChatInputError as e:
+        raise InvalidRequest(str(e)) from None
     except ChatTemplateError as e:
         raise InvalidRequest(f"{where}.messages: {e}") from e
     _need(len(ids) > 0, f"{where}.messages render to 0 tokens")

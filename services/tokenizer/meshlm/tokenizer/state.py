@@ -6,6 +6,7 @@ tokenizer drops or clips what it has).
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import time
 from dataclasses import dataclass
@@ -92,12 +93,56 @@ class ErrorEvent:
 Event = DeltaEvent | EmbeddingEvent | ErrorEvent
 
 
+# What one queued event costs beyond its payload (the GenerateResponse it becomes: meta_info, index).
+EVENT_OVERHEAD_BYTES = 64
+
+
+def event_nbytes(event: Event) -> int:
+    """The approximate size of what an event becomes on the caller's stream."""
+    if isinstance(event, DeltaEvent):
+        d = event.delta
+        lp = d.logprobs.ByteSize() if d.logprobs is not None else 0
+        return EVENT_OVERHEAD_BYTES + len(d.text.encode()) + 4 * len(d.ids) + lp
+    return EVENT_OVERHEAD_BYTES
+
+
+class BacklogQueue(asyncio.Queue["Event"]):
+    """A call's event queue that knows the bytes it holds (`nbytes`): what arrived for the call and
+    its consumer (the RPC handler, blocked while its caller does not read) has not taken yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+        self._sizes: collections.deque[int] = collections.deque()  # one per queued event, FIFO
+
+    def _put(self, item: Event) -> None:
+        size = event_nbytes(item)
+        self._sizes.append(size)
+        self.nbytes += size
+        super()._put(item)
+
+    def _get(self) -> Event:
+        item: Event = super()._get()
+        self.nbytes -= self._sizes.popleft()
+        return item
+
+    def drop_all(self) -> int:
+        """Empty the queue (a call failed for its backlog); the number of events dropped."""
+        dropped = 0
+        while not self.empty():
+            self.get_nowait()
+            dropped += 1
+        return dropped
+
+
 class Call:
-    """One RPC (Generate or Embed): its requests and the queue their events arrive on."""
+    """One RPC (Generate or Embed): its requests and the queue their events arrive on. Invariant:
+    queue.nbytes is the size of the undelivered events; InFlight fails the call when it passes
+    max_stream_backlog_bytes (a caller that does not read its stream)."""
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: BacklogQueue = BacklogQueue()
         self.states: list[ReqState] = []
         self.started = time.monotonic()
 

@@ -22,8 +22,10 @@ from collections.abc import Callable
 import torch
 
 from meshlm.common.finish import FinishReason
+from meshlm.scheduler.managers.grammar_manager import GrammarManager
 from meshlm.scheduler.managers.io_struct import PrefilledReq
 from meshlm.scheduler.managers.output_processor import OutputProcessor
+from meshlm.scheduler.managers.req import Req
 from meshlm.scheduler.managers.request_checks import RequestValidator
 from meshlm.scheduler.managers.scheduler_memory import SchedulerMemory
 from meshlm.scheduler.managers.scheduler_state import PendingTransfer, SchedulerState
@@ -40,14 +42,18 @@ class DecodeAdmission:
         memory: SchedulerMemory,
         state: SchedulerState,
         output: OutputProcessor,
+        grammar: GrammarManager,
     ) -> None:
-        """prefill_role: this scheduler is a prefill scheduler, which refuses handed-over requests."""
+        """prefill_role: this scheduler is a prefill scheduler, which refuses handed-over requests;
+        grammar: a constrained request waits there for its matcher, which is then fed the
+        prefill side's first token."""
         self.prefill_role = prefill_role
         self.page_size = page_size
         self.validator = validator
         self.memory = memory
         self.state = state
         self.output = output
+        self.grammar = grammar
 
     def handle_prefilled_request(self, msg: PrefilledReq) -> None:
         """Check a handed-over request like a new one, plus its KV's shape; queue it."""
@@ -67,7 +73,18 @@ class DecodeAdmission:
         req.output_token_logprobs = list(msg.output_token_logprobs)
         req.output_top_logprobs = list(msg.output_top_logprobs)
         req.output_token_ids_logprobs = list(msg.output_token_ids_logprobs)
-        self.state.transfer_queue.append(PendingTransfer(req, msg.kv))
+        pending = PendingTransfer(req, msg.kv)
+
+        def continue_grammar(r: Req) -> None:
+            """The matcher continues after the prefill side's first token."""
+            assert r.grammar is not None
+            if not r.grammar.accept_token(r.output_ids[0]):
+                r.output_ids = []
+                return self.output.reject(r, "output_ids: the prefilled first token is not allowed by the grammar")
+            self.state.transfer_queue.append(pending)
+
+        if not self.grammar.process_req_with_grammar(req, continue_grammar):
+            self.state.transfer_queue.append(pending)
 
     def _check_prefilled(self, msg: PrefilledReq) -> str | None:
         pool = self.memory.kv_pool

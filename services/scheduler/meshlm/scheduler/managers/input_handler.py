@@ -12,6 +12,7 @@ import logging
 
 from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.scheduler.disaggregation.decode import DecodeAdmission
+from meshlm.scheduler.managers.grammar_manager import GrammarManager
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
     CloseSessionReq,
@@ -27,6 +28,7 @@ from meshlm.scheduler.managers.io_struct import (
 )
 from meshlm.scheduler.managers.output_processor import OutputProcessor
 from meshlm.scheduler.managers.port import SchedulerPort
+from meshlm.scheduler.managers.req import Req
 from meshlm.scheduler.managers.request_checks import RequestValidator
 from meshlm.scheduler.managers.scheduler_memory import SchedulerMemory
 from meshlm.scheduler.managers.scheduler_state import SchedulerState
@@ -48,6 +50,7 @@ class InputHandler:
         state: SchedulerState,
         memory: SchedulerMemory,
         output: OutputProcessor,
+        grammar: GrammarManager,
         decode_side: DecodeAdmission,
         stats: SchedulerStats,
     ) -> None:
@@ -60,6 +63,7 @@ class InputHandler:
         self.state = state
         self.memory = memory
         self.output = output
+        self.grammar = grammar
         self.decode_side = decode_side
         self.stats = stats
 
@@ -108,9 +112,15 @@ class InputHandler:
             return self.output.reject(req, "this model is an embedding model; it cannot generate")
         if self._queue_full():
             return self.output.reject(req, "The request queue is full.", AbortStatus.UNAVAILABLE)
-        if recv.session_id is not None:
-            self.sessions.add_req(recv, req)
-        self.state.waiting_queue.append(req)
+
+        def enqueue(admitted: Req) -> None:
+            if recv.session_id is not None:
+                self.sessions.add_req(recv, admitted)
+            self.state.waiting_queue.append(admitted)
+
+        # A constrained request first waits in the grammar queue for its grammar.
+        if not self.grammar.process_req_with_grammar(req, enqueue):
+            enqueue(req)
 
     def handle_embedding_request(self, recv: TokenizedEmbeddingReqInput) -> None:
         req = self.validator.new_embedding_req(recv.rid, recv.input_ids, recv.input_text)
@@ -130,6 +140,7 @@ class InputHandler:
         state, tree_cache = self.state, self.memory.tree_cache
         reason = FinishReason.aborted(abort.message, AbortStatus.CANCELLED)
         self.decode_side.abort_transferred(hit, reason)
+        self.grammar.abort(hit, reason)
         for req in [r for r in state.waiting_queue if hit(r.rid)]:
             state.waiting_queue.remove(req)  # waiting requests hold no KV and no locks
             self.output.abort(req, reason)
@@ -163,4 +174,5 @@ class InputHandler:
             token_usage=used / memory.max_total_num_tokens,
             max_running_requests=memory.max_running_requests,
             num_retracted_reqs=sum(r.retraction_count > 0 for r in state.waiting_queue),
+            num_grammar_queue_reqs=len(self.grammar),
         )

@@ -104,6 +104,7 @@ class LoadReport:
     token_usage: float = 0.0
     max_running_requests: int = 0
     num_retracted_reqs: int = 0  # retracted requests waiting to be prefilled again
+    num_grammar_queue_reqs: int = 0  # constrained requests waiting for their grammar
     call_id: int = 0
 
 

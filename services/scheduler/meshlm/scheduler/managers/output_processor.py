@@ -6,6 +6,10 @@ request (`stream_output`, also used by every other part to end a request with an
 KV rule after a step: a finished request's KV goes to the prefix cache (cache_finished_req);
 an unfinished one's computed prompt is made shareable (cache_unfinished_req), unless the
 prefill role hands it over (PrefillHandoff) or it is a decode step riding in a mixed batch.
+
+Constrained decoding: each appended token advances the request's grammar matcher
+(`_advance_grammar`), so the matcher has always accepted exactly output_ids; a grammar that
+terminates ends the request with finish reason stop (check_finished).
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ class OutputProcessor:
         sample = result.sample
         assert sample is not None
         req.output_ids.append(int(sample.next_token_ids[j]))
+        self._advance_grammar(req)
         if not req.return_logprob:
             return
         if sample.next_token_logprobs is not None:
@@ -169,13 +174,33 @@ class OutputProcessor:
             if lp.token_ids_logprobs is not None:
                 req.input_token_ids_logprobs.extend(x or [] for x in lp.token_ids_logprobs)
 
+    @staticmethod
+    def _advance_grammar(req: Req) -> None:
+        """Feed the newest output token to req's matcher; a token the grammar refuses (the
+        mask allowed nothing else, e.g. min_new_tokens masked the only allowed stop token)
+        ends the request with an error."""
+        if req.grammar is None or req.finished():
+            return
+        token = req.output_ids[-1]
+        if not req.grammar.accept_token(token):
+            req.finished_reason = FinishReason.aborted(
+                f"constrained decoding: sampled token {token} is not allowed by the grammar of "
+                f"sampling_params (json_schema / regex / ebnf) after {len(req.output_ids) - 1} tokens; "
+                "min_new_tokens, logit_bias or a stop token may leave no allowed token",
+                AbortStatus.INTERNAL,
+            )
+
     # ---- stop conditions ------------------------------------------------------------------
     def check_finished(self, req: Req) -> None:
         if req.finished():
             return
         sp = req.sampling_params
         last = req.output_ids[-1]
-        if len(req.output_ids) >= sp.min_new_tokens and last in req.stop_token_ids:
+        if req.grammar is not None and req.grammar.is_terminated():
+            # The grammar ended (it accepted its stop token): finish as the stop token would.
+            stop_ids = req.stop_token_ids | req.eos_token_ids
+            req.finished_reason = FinishReason.stopped(last if last in stop_ids else None)
+        elif len(req.output_ids) >= sp.min_new_tokens and last in req.stop_token_ids:
             req.finished_reason = FinishReason.stopped(last)
         elif sp.stop_strs and self.tokenizer is not None:
             tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1) :])

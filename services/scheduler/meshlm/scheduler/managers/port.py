@@ -16,6 +16,10 @@ from meshlm.scheduler.managers.io_struct import ControlOutput, InputMessage, Out
 OutputCallback = Callable[[Any], None]
 
 
+class _Wake:
+    """What wake() puts in the inbox; recv_requests never returns it."""
+
+
 class SchedulerPort:
     def __init__(self, on_output: OutputCallback, on_control: OutputCallback) -> None:
         self._inbox: queue.Queue[InputMessage] = queue.Queue()
@@ -25,6 +29,10 @@ class SchedulerPort:
     # called by producers (any thread)
     def put(self, msg: InputMessage) -> None:
         self._inbox.put(msg)
+
+    def wake(self) -> None:
+        """End a blocking recv_requests early (e.g. a grammar compile finished); any thread."""
+        self._inbox.put(_Wake())  # type: ignore[arg-type]
 
     # called by the loop thread
     def recv_requests(self, block: bool, timeout: float = 0.05) -> list[InputMessage]:
@@ -39,7 +47,7 @@ class SchedulerPort:
             try:
                 msgs.append(self._inbox.get_nowait())
             except queue.Empty:
-                return msgs
+                return [m for m in msgs if not isinstance(m, _Wake)]
 
     def send_output(self, msg: OutputMessage) -> None:
         self._on_output(msg)

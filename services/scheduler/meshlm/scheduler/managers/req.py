@@ -19,6 +19,7 @@ import time
 import torch
 
 from meshlm.common.finish import FinishReason
+from meshlm.scheduler.constrained.base_grammar_backend import BaseGrammarObject
 from meshlm.scheduler.managers.io_struct import ReqTimes
 from meshlm.scheduler.mem_cache.radix_cache import TreeNode
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
@@ -59,6 +60,9 @@ class Req:
             stop |= set(eos_token_ids)
         self.stop_token_ids: frozenset[int] = frozenset(stop)
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Constrained decoding: this request's matcher (GrammarManager sets it before the
+        # request is queued); it has accepted exactly output_ids.
+        self.grammar: BaseGrammarObject | None = None
 
         # Memory state.
         self.req_pool_idx: int | None = None

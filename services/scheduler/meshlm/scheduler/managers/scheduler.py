@@ -1,6 +1,7 @@
 """Scheduler: the event loop of one scheduler (one per TP rank), as in SGLang's event_loop_normal.
 
-    loop:  recv_requests -> parts.inputs.process_input_requests -> get_next_batch_to_run
+    loop:  recv_requests -> parts.inputs.process_input_requests
+           -> parts.grammar.move_ready_grammar_requests -> get_next_batch_to_run
            -> run_batch -> parts.output.process_batch_result_{prefill,decode,embedding}
            -> (idle: on_idle)
 
@@ -16,7 +17,9 @@ state is owned by the loop thread; the outside talks to it only through the port
 
 Tensor parallelism: every rank runs this same Scheduler on its shard. Rank 0 owns the port;
 each iteration it drains its inbox and broadcasts the messages (and whether to stop) to the
-other ranks, whose ports stay empty and discard outputs. Every scheduling decision depends
+other ranks, whose ports stay empty and discard outputs; with them go rank 0's decisions of
+which constrained requests leave the grammar queue (compiles finish at different times on
+each rank; the others wait for those same compiles). Every scheduling decision depends
 only on those messages and on state they produced (never on clocks, on the values of object
 ids or on unseeded randomness), and sampling sees all-gathered logits and an identically
 seeded RNG, so every rank schedules, samples and stops identically and their collectives match.
@@ -33,6 +36,7 @@ import torch
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.distributed.parallel_state import broadcast_pyobj
+from meshlm.scheduler.managers.grammar_manager import GrammarDecision
 from meshlm.scheduler.managers.io_struct import InputMessage, OpenSessionReq
 from meshlm.scheduler.managers.port import SchedulerPort
 from meshlm.scheduler.managers.schedule_batch import ScheduleBatch
@@ -62,7 +66,7 @@ class Scheduler:
         self.tp, self.tp_cpu_group = tp, tp_cpu_group
         self.tp_worker = TpModelWorker(model_config, config, tp)
         memory = SchedulerMemory.from_runner(self.tp_worker.model_runner, config, model_config.vocab_size)
-        self.parts = SchedulerParts.build(config, model_config, tokenizer, port, memory)
+        self.parts = SchedulerParts.build(config, model_config, tokenizer, port, memory, tp.rank)
         self.memory, self.state, self.stats = memory, self.parts.state, self.parts.stats
         self.max_req_len = self.parts.max_req_len
         self.max_total_num_tokens = memory.max_total_num_tokens
@@ -73,24 +77,33 @@ class Scheduler:
         """Run until stop() on rank 0 (on every rank: the stop travels with the inputs). The
         loop runs in inference mode (SGLang's DynamicGradMode): the forward's logits are
         inference tensors that sampling and penalties modify in place."""
-        with torch.inference_mode():
-            while True:
-                idle = self.state.last_batch is None and self.state.nothing_queued()
-                msgs, stop = self.recv_requests(block=idle)
-                if stop:
-                    return
-                self.parts.inputs.process_input_requests(msgs)
-                self.step()
+        try:
+            with torch.inference_mode():
+                while True:
+                    idle = self.state.last_batch is None and self.state.nothing_queued()
+                    msgs, stop, grammar_ready = self.recv_requests(block=idle)
+                    if stop:
+                        return
+                    self.parts.inputs.process_input_requests(msgs)
+                    self.parts.grammar.move_ready_grammar_requests(grammar_ready)
+                    self.step()
+        finally:
+            self.parts.grammar.shutdown()
 
-    def recv_requests(self, block: bool) -> tuple[list[InputMessage], bool]:
-        """This iteration's input messages and whether the loop stops, equal on every rank.
+    def recv_requests(self, block: bool) -> tuple[list[InputMessage], bool, list[GrammarDecision] | None]:
+        """This iteration's input messages, whether the loop stops, and (tp > 1) which parked
+        constrained requests move on; equal on every rank.
 
         Rank 0 decides to stop once stop() was called, else drains its port (waiting up to
-        50 ms for a first message when `block`) and names unnamed sessions; with tp > 1 it
-        broadcasts both to the other ranks, which take them from that broadcast.
+        50 ms for a first message when `block`; a finished compile wakes it) and names unnamed
+        sessions; with tp > 1 it decides the grammar queue's moves and broadcasts all three to
+        the other ranks, which take them from that broadcast. With tp == 1 the grammar
+        decisions are None: the queue decides after this iteration's inputs (a cached
+        grammar's request then moves at once).
         """
         msgs: list[InputMessage] = []
         stop = False
+        ready: list[GrammarDecision] | None = None
         if self.tp.rank == 0:
             stop = self._stop.is_set()
             if not stop:
@@ -100,8 +113,10 @@ class Scheduler:
                     msg.session_id = uuid.uuid4().hex  # drawn once, so every rank opens this id
         if self.tp.size > 1:
             assert self.tp_cpu_group is not None
-            msgs, stop = broadcast_pyobj((msgs, stop), self.tp.rank, self.tp_cpu_group)
-        return msgs, stop
+            if self.tp.rank == 0:
+                ready = self.parts.grammar.ready_decisions()
+            msgs, stop, ready = broadcast_pyobj((msgs, stop, ready), self.tp.rank, self.tp_cpu_group)
+        return msgs, stop, ready
 
     def step(self) -> ScheduleBatch | None:
         """One iteration after input processing: schedule, run, process. Returns the batch run."""

@@ -44,6 +44,7 @@ class TpModelWorker:
             logits = logits[torch.tensor(keep, device=logits.device)]
         assert batch.sampling_info is not None
         want_lp = any(r.return_logprob for r in reqs)
+        batch.sampling_info.update_regex_vocab_mask()  # constrained rows: applied in the sampler
         sample = self.sampler.forward(
             logits,
             batch.sampling_info,

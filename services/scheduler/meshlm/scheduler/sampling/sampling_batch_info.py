@@ -11,6 +11,10 @@ Invariants:
 - ``is_greedy_cpu[i]`` iff ``top_ks_cpu[i] == 1``. The flags ``need_top_k``,
   ``need_top_p`` and ``need_min_p`` ignore greedy rows, whose token is the argmax anyway.
 - Python-side lists (``*_cpu``) let the sampler choose its path without a device sync.
+- ``grammars[i]`` is row i's grammar matcher (constrained decoding) or None; before each
+  sampling step ``update_regex_vocab_mask`` fills the bitmask of the rows that have one, and
+  ``apply_logits_bias`` sets their disallowed tokens to -inf (after penalties, so logprobs see
+  the constrained distribution, as in SGLang).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 import torch
 
+from meshlm.scheduler.constrained.vocab_mask import allocate_vocab_mask, apply_vocab_mask
 from meshlm.scheduler.sampling.penalties import BatchedPenalizer
 
 __all__ = ["SamplingBatchInfo"]
@@ -39,6 +44,7 @@ class SamplingBatchInfo:
         penalizer: BatchedPenalizer,
         vocab_size: int,
         device: torch.device | str,
+        grammars: Sequence[Any] | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -48,6 +54,9 @@ class SamplingBatchInfo:
         self.min_ps_cpu = [float(m) for m in min_ps]
         self.seeds: list[int | None] = list(seeds)
         self.penalizer = penalizer
+        self.grammars: list[Any] = list(grammars) if grammars is not None else [None] * len(self.temperatures_cpu)
+        self.vocab_mask: torch.Tensor | None = None  # bitmask rows of vocab_mask_rows
+        self.vocab_mask_rows: list[int] = []
         dev = self.device
         self.temperatures = torch.tensor(self.temperatures_cpu, dtype=torch.float32, device=dev)
         self.temperatures = self.temperatures.view(-1, 1)
@@ -69,6 +78,7 @@ class SamplingBatchInfo:
             penalizer=BatchedPenalizer.from_reqs(reqs, vocab_size, device),
             vocab_size=vocab_size,
             device=device,
+            grammars=[getattr(r, "grammar", None) for r in reqs],
         )
 
     def _refresh_flags(self) -> None:
@@ -87,9 +97,26 @@ class SamplingBatchInfo:
         return self.batch_size
 
     # ---- per step ----------------------------------------------------------------------
+    def update_regex_vocab_mask(self) -> None:
+        """Fill the token bitmask of every row whose grammar has not terminated (SGLang's
+        name); rows without a grammar are not masked."""
+        rows = [i for i, g in enumerate(self.grammars) if g is not None and not g.is_terminated()]
+        self.vocab_mask_rows = rows
+        if not rows:
+            self.vocab_mask = None
+            return
+        mask = allocate_vocab_mask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            self.grammars[i].fill_vocab_mask(mask, j)
+        self.vocab_mask = mask
+
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """Apply penalties, logit_bias and the min_new_tokens mask to logits [B, V] in place."""
+        """Apply penalties, logit_bias and the min_new_tokens mask to logits [B, V] in place,
+        then the grammar bitmask of the last update_regex_vocab_mask (used once)."""
         self.penalizer.apply(logits)
+        if self.vocab_mask is not None:
+            apply_vocab_mask(logits, self.vocab_mask, self.vocab_mask_rows)
+            self.vocab_mask, self.vocab_mask_rows = None, []
 
     def cumulate_output_tokens(self, next_token_ids: torch.Tensor) -> None:
         """Record the token just sampled for every row (call once per decode step)."""
@@ -105,6 +132,7 @@ class SamplingBatchInfo:
         self.top_ks_cpu = [self.top_ks_cpu[i] for i in keep]
         self.min_ps_cpu = [self.min_ps_cpu[i] for i in keep]
         self.seeds = [self.seeds[i] for i in keep]
+        self.grammars = [self.grammars[i] for i in keep]
         self.temperatures = self.temperatures[keep_t]
         self.top_ps = self.top_ps[keep_t]
         self.top_ks = self.top_ks[keep_t]
@@ -121,6 +149,7 @@ class SamplingBatchInfo:
         self.top_ks_cpu += other.top_ks_cpu
         self.min_ps_cpu += other.min_ps_cpu
         self.seeds += other.seeds
+        self.grammars += other.grammars
         self.temperatures = torch.cat([self.temperatures, other.temperatures])
         self.top_ps = torch.cat([self.top_ps, other.top_ps])
         self.top_ks = torch.cat([self.top_ks, other.top_ks])

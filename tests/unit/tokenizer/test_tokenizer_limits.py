@@ -109,3 +109,16 @@ def test_embed_tokenize_detokenize_and_ids():
         limits.check_id("session_id", "s" * 257)
     limits.check_id("session_id", "s" * 256)
     limits.check_detokenize(tokenizer_pb2.DetokenizeRequest(tokens=[1] * 10))
+
+
+def test_chat_fields_are_bounded():
+    long_args = tokenizer_pb2.ToolCall(id="c1", name="f", arguments="x" * (MAX_PROMPT_CHARS + 1))
+    chat = tokenizer_pb2.ChatMessages(
+        messages=[tokenizer_pb2.ChatMessage(role="assistant", content="", tool_calls=[long_args])]
+    )
+    with pytest.raises(InvalidRequest, match=r"prompts\[0\]\.messages\[0\]\.tool_calls\[0\]\.arguments has"):
+        limits.check_prompt(tokenizer_pb2.Prompt(messages=chat), "prompts[0]")
+    chat = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content="hi")])
+    chat.tools_json = "[" * (MAX_PROMPT_CHARS + 1)
+    with pytest.raises(InvalidRequest, match=r"prompt\.tools_json has"):
+        limits.check_prompt(tokenizer_pb2.Prompt(messages=chat), "prompt")

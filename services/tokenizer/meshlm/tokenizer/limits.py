@@ -56,11 +56,22 @@ def check_prompt(prompt: tokenizer_pb2.Prompt, where: str) -> None:
         elif kind == "input_ids":
             check_count(f"{where}.input_ids", prompt.input_ids.ids, MAX_PROMPT_TOKENS)
         elif kind == "messages":
-            messages = prompt.messages.messages
-            check_count(f"{where}.messages", messages, MAX_MESSAGES)
-            for i, m in enumerate(messages):
-                check_chars(f"{where}.messages[{i}].role", m.role, MAX_NAME_CHARS)
-                check_chars(f"{where}.messages[{i}].content", m.content, MAX_PROMPT_CHARS)
+            chat = prompt.messages
+            check_count(f"{where}.messages", chat.messages, MAX_MESSAGES)
+            for i, m in enumerate(chat.messages):
+                at = f"{where}.messages[{i}]"
+                check_chars(f"{at}.role", m.role, MAX_NAME_CHARS)
+                check_chars(f"{at}.content", m.content, MAX_PROMPT_CHARS)
+                check_chars(f"{at}.name", m.name, MAX_NAME_CHARS)
+                check_chars(f"{at}.tool_call_id", m.tool_call_id, MAX_ID_CHARS)
+                check_chars(f"{at}.reasoning_content", m.reasoning_content, MAX_PROMPT_CHARS)
+                check_count(f"{at}.tool_calls", m.tool_calls, MAX_MESSAGES)
+                for j, call in enumerate(m.tool_calls):
+                    check_chars(f"{at}.tool_calls[{j}].id", call.id, MAX_ID_CHARS)
+                    check_chars(f"{at}.tool_calls[{j}].name", call.name, MAX_NAME_CHARS)
+                    check_chars(f"{at}.tool_calls[{j}].arguments", call.arguments, MAX_PROMPT_CHARS)
+            check_chars(f"{where}.tools_json", chat.tools_json, MAX_PROMPT_CHARS)
+            check_chars(f"{where}.chat_template_kwargs_json", chat.chat_template_kwargs_json, MAX_PROMPT_CHARS)
 
 
 def _check_trace(trace: common_pb2.TraceContext) -> None:

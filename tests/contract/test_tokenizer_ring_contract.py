@@ -88,6 +88,18 @@ def test_shortest_queue_routing_uses_scheduler_loads(tok):
             assert json.loads(info.config_json)["routing_policy"] == "shortest_queue"
             assert info.model.model_path == "fake-model" and info.model.tokenizer_path == str(tok.path)
 
+            loads = await r.stub.GetLoads(tokenizer_pb2.GetLoadsRequest())
+            assert [(s.dp_rank, s.connected, s.load.scheduler_id, s.load.num_queue_reqs) for s in loads.schedulers] == [
+                (0, True, "fake-0", 5),
+                (1, True, "fake-1", 1),
+            ]
+            assert all(0 <= s.report_age_s < 60 for s in loads.schedulers) and loads.in_flight_requests == 0
+            assert loads.max_queued_requests == 4096 and loads.tokenizer_id == r.manager.origin
+            one = await r.stub.GetLoads(tokenizer_pb2.GetLoadsRequest(dp_rank=1))
+            assert [s.load.scheduler_id for s in one.schedulers] == ["fake-1"]
+            e = await r.error(r.stub.GetLoads(tokenizer_pb2.GetLoadsRequest(dp_rank=2)))
+            assert e.code() == CODE.INVALID_ARGUMENT and "dp_rank must be in [0, 1]" in e.details()
+
     asyncio.run(run())
 
 

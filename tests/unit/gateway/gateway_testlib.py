@@ -178,6 +178,33 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             config_json='{"routing": "round_robin"}',
         )
 
+    async def GetLoads(self, request, context):
+        """Scheduler 0 reported 1 running + 2 waiting 0.25 s ago; scheduler 1 has not reported."""
+        self.requests.append(request)
+        reports = [
+            tokenizer_pb2.SchedulerLoadReport(
+                dp_rank=0,
+                address="h:1",
+                connected=True,
+                report_age_s=0.25,
+                load=common_pb2.SchedulerLoad(
+                    scheduler_id="s0",
+                    num_running_reqs=1,
+                    num_queue_reqs=2,
+                    num_used_tokens=30,
+                    max_total_num_tokens=4096,
+                    token_usage=30 / 4096,
+                    max_running_requests=8,
+                ),
+            ),
+            tokenizer_pb2.SchedulerLoadReport(dp_rank=1, address="h:2"),
+        ]
+        if request.HasField("dp_rank"):
+            if request.dp_rank > 1:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "dp_rank must be in [0, 1]")
+            reports = [r for r in reports if r.dp_rank == request.dp_rank]
+        return tokenizer_pb2.GetLoadsResponse(schedulers=reports, version="0.1.0", tokenizer_id="tok-0")
+
     async def FlushCache(self, request, context):
         return tokenizer_pb2.FlushCacheResponse(
             success=self.flush_ok, message="" if self.flush_ok else "requests are running"

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from fastapi.testclient import TestClient
@@ -43,6 +44,22 @@ def test_unavailable_replica_is_retried(fake_tokenizer):
             assert stream.status_code == 200 and "w0" in stream.text
         assert client.get("/health").status_code == 200  # one replica answers its health check
     assert len(fake_tokenizer.servicer.requests) == 8
+
+
+def test_a_full_replica_sends_generate_to_another_and_all_full_is_503_at_once(fake_tokenizer):
+    fake_tokenizer.servicer.__init__()
+    fake_tokenizer.servicer.error = (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests in flight")
+    with FakeTokenizerServer() as second:
+        config = make_config(tokenizer_addrs=(fake_tokenizer.address, second.address))
+        with TestClient(create_app(config)) as client:
+            for _ in range(4):  # whichever replica is tried first, the one with room answers
+                assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+            second.servicer.error = fake_tokenizer.servicer.error
+            response = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+            assert response.status_code == 503 and response.headers["retry-after"] == "1"
+            assert "too many requests in flight" in response.json()["error"]["message"]
+            assert client.get("/health").status_code == 200  # a full replica is not an unhealthy one
+        assert len(second.servicer.requests) == 5
 
 
 def test_round_robin_over_replicas(fake_tokenizer):

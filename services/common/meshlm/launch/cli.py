@@ -19,6 +19,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshlm.launch.launcher import LaunchPlan
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -72,10 +76,11 @@ def _engine_args(config: object) -> list[str]:
     return out
 
 
-def _launch(args: argparse.Namespace) -> int:
+def launch_plan(args: argparse.Namespace) -> LaunchPlan:
+    """What `meshlm launch` starts, from its parsed flags."""
     from meshlm.common.auth import AuthConfig
     from meshlm.common.tls import TlsConfig
-    from meshlm.launch.launcher import LaunchPlan, launch
+    from meshlm.launch import launcher
     from meshlm.scheduler.config import SchedulerConfig
     from meshlm.scheduler.model_loader import resolve_model_path
 
@@ -91,6 +96,9 @@ def _launch(args: argparse.Namespace) -> int:
             "(it sets each scheduler's --disaggregation-mode)"
         )
     model = resolve_model_path(config.model_path)
+    tokenizer_args = ["--routing-policy", args.routing_policy]
+    if args.tokenizer_max_queued_requests is not None:
+        tokenizer_args += ["--max-queued-requests", str(args.tokenizer_max_queued_requests)]
     gateway_args: list[str] = []
     if args.tool_call_parser:
         gateway_args += ["--tool-call-parser", args.tool_call_parser]
@@ -98,7 +106,7 @@ def _launch(args: argparse.Namespace) -> int:
         gateway_args += ["--reasoning-parser", args.reasoning_parser]
     if args.strict_api:
         gateway_args.append("--strict-api")
-    plan = LaunchPlan(
+    return launcher.LaunchPlan(
         model_path=str(model),
         tokenizer_path=str(config.tokenizer_path or model),
         host=args.host,
@@ -109,7 +117,7 @@ def _launch(args: argparse.Namespace) -> int:
         tokenizer_replicas=args.tokenizer_replicas,
         detokenizer_replicas=args.detokenizer_replicas,
         scheduler_args=tuple(_engine_args(config)),
-        tokenizer_args=("--routing-policy", args.routing_policy),
+        tokenizer_args=tuple(tokenizer_args),
         gateway_args=tuple(gateway_args),
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
@@ -117,6 +125,12 @@ def _launch(args: argparse.Namespace) -> int:
         api_key=auth.api_key_value,
         internal_token=auth.internal_token_value,
     )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from meshlm.launch.launcher import launch
+
+    plan = launch_plan(args)
     system = launch(plan)
     print(f"meshlm is serving: HTTP {system.http_url}  gRPC {system.grpc_address}", flush=True)
     stop = {"now": False}
@@ -173,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--tokenizer-replicas", type=int, default=1, help="tokenizer processes (default: 1)")
     lau.add_argument("--detokenizer-replicas", type=int, default=1, help="detokenizer processes (default: 1)")
     lau.add_argument("--routing-policy", default="round_robin", help="round_robin | shortest_queue")
+    lau.add_argument(
+        "--tokenizer-max-queued-requests",
+        type=int,
+        default=None,
+        help="most requests in flight per tokenizer replica (its --max-queued-requests); more get HTTP 503 "
+        "with Retry-After / RESOURCE_EXHAUSTED at once. The engine flag --max-queued-requests caps each "
+        "scheduler's waiting queue the same way (default: the tokenizer's 4096)",
+    )
     lau.add_argument(
         "--tool-call-parser",
         default=None,

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshlm.common import telemetry
 from meshlm.common.metrics import Metrics
-from meshlm.gateway import native, openai_serving
+from meshlm.gateway import native, native_info, openai_serving
 from meshlm.gateway.body_limit import BodyLimitMiddleware
 from meshlm.gateway.config import GatewayConfig
 from meshlm.gateway.errors import error_response, install_error_handlers
@@ -158,6 +158,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
     install_openapi(app, state)
     app.include_router(openai_serving.router)
     app.include_router(native.router)
+    app.include_router(native_info.router)
 
     @app.get("/metrics", tags=["SGLang-native"], response_class=Response)
     async def prometheus_metrics() -> Response:
@@ -169,6 +170,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
     routes = [
         *openai_serving.router.routes,
         *native.router.routes,
+        *native_info.router.routes,
         *(r for r in app.router.routes if hasattr(r, "path")),
     ]
     app.add_middleware(TelemetryMiddleware, metrics=metrics, routes=routes)

@@ -8,7 +8,8 @@ per RPC (`embed`, `tokenize`, ..., `generate`, `abort_everywhere`).
   with --tls-* flags they use TLS (mTLS with a CA), each endpoint's certificate checked against the
   name it was resolved from; with a token (the gateway's internal token or API key) every call
   carries `authorization: Bearer <token>`.
-* A call that fails with UNAVAILABLE before any output is retried on another endpoint.
+* A call that fails with UNAVAILABLE before any output is retried on another endpoint; so is a
+  Generate refused with RESOURCE_EXHAUSTED (another replica may have room).
 * gRPC status -> ServiceError (meshlm.common.errors), which the app renders as the HTTP error.
 * Cancellation: `cancel_on_disconnect` runs a call while watching the HTTP client; when the client
   goes away the task (and with it the gRPC call) is cancelled, and the tokenizer aborts the request.
@@ -281,6 +282,11 @@ class TokenizerPool:
         request = tokenizer_pb2.GetServerInfoRequest()
         return await self._unary(lambda stub, t: stub.GetServerInfo(request, timeout=t), timeout=timeout)
 
+    async def get_loads(
+        self, request: tokenizer_pb2.GetLoadsRequest, *, timeout: float
+    ) -> tokenizer_pb2.GetLoadsResponse:
+        return await self._unary(lambda stub, t: stub.GetLoads(request, timeout=t), timeout=timeout)
+
     async def flush_cache(self, *, timeout: float) -> tokenizer_pb2.FlushCacheResponse:
         request = tokenizer_pb2.FlushCacheRequest()
         return await self._unary(lambda stub, t: stub.FlushCache(request, timeout=t), timeout=timeout)
@@ -322,7 +328,9 @@ class TokenizerPool:
         self, request: tokenizer_pb2.GenerateRequest, *, timeout: float, key: str | None = None
     ) -> GenerateStream:
         """Start Generate and wait for its first response, so errors before any output (bad input,
-        overload) surface as HTTP errors. UNAVAILABLE before any output is retried elsewhere."""
+        overload) surface as HTTP errors. Before any output, UNAVAILABLE (the replica is down) and
+        RESOURCE_EXHAUSTED (that replica, or the scheduler it chose, is full; the replica stays
+        healthy) are retried once on each other replica; the last error is raised at once."""
         deadline = time.monotonic() + timeout
         tried: list[str] = []
         while True:
@@ -331,8 +339,9 @@ class TokenizerPool:
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._failed(ep)
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        self._failed(ep)
                     tried.append(ep.address)
                     if len(tried) < len(self._endpoints) and time.monotonic() < deadline:
                         continue

@@ -1,5 +1,5 @@
-"""SGLang-native routes: /generate, /encode, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /abort_request, /open_session, /close_session.
+"""SGLang-native routes: /generate, /encode, /health, /health_generate, /flush_cache,
+/abort_request, /open_session, /close_session (model / server info and loads: native_info.py).
 
 /generate follows SGLang's GenerateReqInput: a single prompt gives a dict, a batch (list of texts or
 of id lists) or n > 1 a list; streaming sends `data: {text, output_ids, meta_info[, index]}` with
@@ -9,8 +9,6 @@ cumulative text and ids (SGLang's default) and ends with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -29,7 +27,7 @@ from meshlm.gateway.grpc_client import (
     trace_context,
 )
 from meshlm.gateway.json_body import StrictJsonRoute
-from meshlm.gateway.native_outputs import native_output, proto_dict
+from meshlm.gateway.native_outputs import native_output
 from meshlm.gateway.native_protocol import (
     AbortReq,
     CloseSessionReq,
@@ -318,34 +316,6 @@ async def health_generate(request: Request) -> Response:
     except ServiceError as e:
         return error_response(503, f"health check generate failed: {e.message}")
     return Response(status_code=200)
-
-
-async def _model_info_dict(st: GatewayState, info: common_pb2.ModelInfo) -> dict[str, Any]:
-    out = proto_dict(info)
-    out["served_model_name"] = await st.served_model_name()
-    return out
-
-
-@router.get("/get_model_info")
-async def get_model_info(request: Request) -> dict:
-    st = get_state(request)
-    return await _model_info_dict(st, await st.model_info())
-
-
-@router.get("/get_server_info")
-async def get_server_info(request: Request) -> dict:
-    st = get_state(request)
-    info = await st.pool.get_server_info(timeout=st.control_timeout_s)
-    out = await _model_info_dict(st, info.model)
-    with contextlib.suppress(ValueError):
-        out["tokenizer_config"] = json.loads(info.config_json) if info.config_json else {}
-    out.update(
-        version=info.version,
-        tokenizer_id=info.tokenizer_id,
-        schedulers=[proto_dict(s) for s in info.schedulers],
-        gateway={"tokenizer_addrs": list(st.config.tokenizer_addrs), "request_timeout_s": st.config.request_timeout_s},
-    )
-    return out
 
 
 # ---------------------------------------------------------------------------- control

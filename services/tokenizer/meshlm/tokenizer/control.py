@@ -1,6 +1,7 @@
-"""The TokenizerManager's control plane: model info (cached), server info, FlushCache fan-out,
-and sessions (OpenSession picks a scheduler and names it in the id, `s<j>-<uuid hex>`, so any
-tokenizer replica routes later turns and CloseSession to the same scheduler)."""
+"""The TokenizerManager's control plane: model info (cached), server info, loads (each
+scheduler's latest load report, SGLang's GetLoads), FlushCache fan-out, and sessions
+(OpenSession picks a scheduler and names it in the id, `s<j>-<uuid hex>`, so any tokenizer
+replica routes later turns and CloseSession to the same scheduler)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -103,6 +105,34 @@ class ControlPlane:
             version=_version(),
             tokenizer_id=self.m.origin,
             config_json=json.dumps(config, sort_keys=True),
+        )
+
+    # ---- loads ----------------------------------------------------------------------------
+    def get_loads(self, dp_rank: int | None = None) -> tokenizer_pb2.GetLoadsResponse:
+        """Every scheduler's latest load report as this tokenizer last heard it (reports arrive
+        every ~0.5 s while a scheduler is busy, ~2 s when idle), in scheduler-index order; with
+        `dp_rank`, only that scheduler (INVALID_ARGUMENT when there is none of that index)."""
+        conns = self.m.schedulers.connections
+        if dp_rank is not None and not 0 <= dp_rank < len(conns):
+            raise invalid(f"dp_rank must be in [0, {len(conns) - 1}] (the schedulers' indices), got {dp_rank}")
+        now = time.monotonic()
+        reports = [
+            tokenizer_pb2.SchedulerLoadReport(
+                dp_rank=c.index,
+                address=c.address,
+                connected=c.connected,
+                load=c.load,
+                report_age_s=now - c.load_at if c.load is not None else 0.0,
+            )
+            for c in conns
+            if dp_rank is None or c.index == dp_rank
+        ]
+        return tokenizer_pb2.GetLoadsResponse(
+            schedulers=reports,
+            tokenizer_id=self.m.origin,
+            in_flight_requests=len(self.m.states),
+            max_queued_requests=self.m.config.max_queued_requests,
+            version=_version(),
         )
 
     # ---- FlushCache -----------------------------------------------------------------------

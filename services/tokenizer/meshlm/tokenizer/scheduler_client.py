@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -62,6 +63,7 @@ class SchedulerConnection(PeerStream):
         self.events = events
         self.stale_after_s = stale_after_s
         self.load: common_pb2.SchedulerLoad | None = None
+        self.load_at = 0.0  # time.monotonic() when `load` arrived
         self._queue: asyncio.Queue[scheduler_pb2.SchedulerInput] | None = None
         self._pending: dict[int, asyncio.Future[scheduler_pb2.SchedulerOutput]] = {}
         self._channel: grpc.aio.Channel | None = None
@@ -147,7 +149,7 @@ class SchedulerConnection(PeerStream):
     def _dispatch(self, out: scheduler_pb2.SchedulerOutput) -> None:
         kind = out.WhichOneof("msg")
         if kind == "load":
-            self.load = out.load
+            self.load, self.load_at = out.load, time.monotonic()
             self.events.on_scheduler_load(self)
         elif kind == "error" and out.call_id == 0:
             self.events.on_scheduler_error(self, out.error)

@@ -111,6 +111,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> tokenizer_pb2.ServerInfo:
         return await _unary(context, self.manager.control.get_server_info)
 
+    async def GetLoads(
+        self, request: tokenizer_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.GetLoadsResponse:
+        dp_rank = request.dp_rank if request.HasField("dp_rank") else None
+        return await _unary(context, lambda: _value(self.manager.control.get_loads(dp_rank)))
+
     async def FlushCache(
         self, request: tokenizer_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.FlushCacheResponse:

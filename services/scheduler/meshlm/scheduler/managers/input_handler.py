@@ -92,9 +92,12 @@ class InputHandler:
             else:
                 logger.error("scheduler got an unknown message %r", type(msg).__name__)
 
-    def _queue_full(self) -> bool:
-        cap = self.max_queued_requests
-        return cap is not None and len(self.state.waiting_queue) >= cap
+    def _queue_full(self) -> str | None:
+        """Why a new request is refused (its message names the limit), or None when it fits."""
+        cap, waiting = self.max_queued_requests, len(self.state.waiting_queue)
+        if cap is None or waiting < cap:
+            return None
+        return f"The request queue is full ({waiting} waiting, max_queued_requests={cap}); retry later."
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         input_ids, session_error = recv.input_ids, None
@@ -110,8 +113,8 @@ class InputHandler:
             return self.output.reject(req, error)
         if self.is_embedding_model:
             return self.output.reject(req, "this model is an embedding model; it cannot generate")
-        if self._queue_full():
-            return self.output.reject(req, "The request queue is full.", AbortStatus.UNAVAILABLE)
+        if (full := self._queue_full()) is not None:
+            return self.output.reject(req, full, AbortStatus.UNAVAILABLE)
 
         def enqueue(admitted: Req) -> None:
             if recv.session_id is not None:
@@ -127,8 +130,8 @@ class InputHandler:
         error = self.validator.validate_embedding(req)
         if error is not None:
             return self.output.reject(req, error)
-        if self._queue_full():
-            return self.output.reject(req, "The request queue is full.", AbortStatus.UNAVAILABLE)
+        if (full := self._queue_full()) is not None:
+            return self.output.reject(req, full, AbortStatus.UNAVAILABLE)
         self.state.waiting_queue.append(req)
 
     def abort_request(self, abort: AbortReq) -> None:

@@ -93,7 +93,7 @@ def test_validation_errors_are_invalid_argument_and_name_the_field(tok):
                 ),
                 (
                     dict(prompts=[text_prompt("x")], sampling_params=common_pb2.SamplingParams(n=0)),
-                    "sampling_params.n must be >= 1",
+                    "sampling_params.n must be in [1, 128]",
                 ),
             ]
             for kw, message in cases:

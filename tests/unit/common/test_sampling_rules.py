@@ -27,7 +27,8 @@ def test_ranges_describe_and_bounds() -> None:
         "in [-2, 2]",
         ">= 0",
     ]
-    assert RANGES["top_k"].describe() == "-1 (whole vocabulary) or >= 1"
+    assert RANGES["top_k"].describe() == "-1 (whole vocabulary) or in [1, 2147483647]"
+    assert RANGES["n"].describe() == "in [1, 128]"
     assert RANGES["top_p"].bounds() == {"gt": 0, "le": 1}
     assert RANGES["repetition_penalty"].bounds() == {"gt": 0, "le": 2}
     assert RANGES["temperature"].bounds(le=2) == {"ge": 0, "le": 2}
@@ -56,9 +57,12 @@ def test_range_allows(name: str, good: list[Any], bad: list[Any]) -> None:
     "values, message",
     [
         ({"top_p": 1.5}, "sampling_params.top_p must be in (0, 1], got 1.5"),
-        ({"n": 0}, "sampling_params.n must be >= 1, got 0"),
-        ({"n": "2"}, "sampling_params.n must be an integer >= 1, got '2'"),
-        ({"sampling_seed": 1.5}, "sampling_params.sampling_seed must be an integer, got 1.5"),
+        ({"n": 0}, "sampling_params.n must be in [1, 128], got 0"),
+        ({"n": "2"}, "sampling_params.n must be an integer in [1, 128], got '2'"),
+        (
+            {"sampling_seed": 1.5},
+            "sampling_params.sampling_seed must be an integer in [-9223372036854775808, 9223372036854775807], got 1.5",
+        ),
         (
             {"min_new_tokens": DEFAULT_MAX_NEW_TOKENS + 1},
             f"sampling_params.min_new_tokens ({DEFAULT_MAX_NEW_TOKENS + 1}) must be <= "
@@ -93,6 +97,16 @@ def test_range_allows(name: str, good: list[Any], bad: list[Any]) -> None:
             "sampling_params.logit_bias['3'] must be a finite number, got 'a'",
         ),
         ({"custom_params": []}, "sampling_params.custom_params must be an object (dict), got []"),
+        # wire ranges and sizes (meshlm.common.input_limits)
+        ({"max_new_tokens": 1 << 31}, "sampling_params.max_new_tokens must be in [0, 2147483647], got 2147483648"),
+        ({"n": 129}, "sampling_params.n must be in [1, 128], got 129"),
+        ({"stop": ["s"] * 65}, "sampling_params.stop has 65 strings; at most 64 are allowed"),
+        ({"stop": ["x" * 1025]}, "sampling_params.stop[0] has 1025 characters; at most 1024 are allowed"),
+        ({"stop_token_ids": [1] * 1025}, "sampling_params.stop_token_ids has 1025 entries; at most 1024 are allowed"),
+        (
+            {"logit_bias": {i: 0.0 for i in range(1025)}},
+            "sampling_params.logit_bias has 1025 entries; at most 1024 are allowed",
+        ),
     ],
 )
 def test_messages_name_field_limit_and_value(values: dict[str, Any], message: str) -> None:

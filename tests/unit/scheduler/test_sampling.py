@@ -72,7 +72,7 @@ def test_from_dict_unknown_key_and_none_defaults() -> None:
         ),
         (
             {"top_k": 2.5},
-            "sampling_params.top_k must be an integer -1 (whole vocabulary) or >= 1, got 2.5",
+            "sampling_params.top_k must be an integer -1 (whole vocabulary) or in [1, 2147483647], got 2.5",
         ),
         (
             {"stop_token_ids": [V]},

@@ -151,7 +151,7 @@ def test_embed_normalisation(tok):
         ),
         (
             gen(text("x"), sampling_params=common_pb2.SamplingParams(n=0)),
-            "sampling_params.n must be >= 1, got 0",
+            "sampling_params.n must be in [1, 128], got 0",
         ),
         (
             gen(text("x"), sampling_params=common_pb2.SamplingParams(temperature=-1)),
@@ -179,7 +179,7 @@ def test_embed_normalisation(tok):
         ),
         (
             gen(text("x"), sampling_params=common_pb2.SamplingParams(max_new_tokens=-1)),
-            "sampling_params.max_new_tokens must be >= 0",
+            "sampling_params.max_new_tokens must be in [0, 2147483647]",
         ),
         (
             gen(

@@ -1,7 +1,8 @@
 """gRPC server bootstrap shared by every service: grpc.health.v1, server reflection, message
 size limits, TLS / mTLS (meshlm.common.tls), bearer-token authentication (meshlm.common.auth:
 the API key on public services, the internal token on the others; health and reflection stay
-open), and graceful drain on SIGTERM/SIGINT.
+open), requests that do not parse as INVALID_ARGUMENT (meshlm.common.grpc_decode), and graceful
+drain on SIGTERM/SIGINT.
 
 With a health port, a second, plaintext server serves grpc.health.v1 and nothing else (the same
 statuses, from the same servicer): Kubernetes' gRPC probes cannot speak TLS. It starts and stops
@@ -26,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from meshlm.common.auth import AuthConfig
 from meshlm.common.auth_interceptors import server_interceptors
 from meshlm.common.channels import MAX_MESSAGE_BYTES
+from meshlm.common.grpc_decode import BadMessageInterceptor
 from meshlm.common.tls import PLAINTEXT, TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,9 @@ class GrpcServer:
     ) -> None:
         self.auth_enabled = auth is not None and auth.enabled
         self.server = grpc.aio.server(
-            interceptors=[*interceptors, *server_interceptors(auth, public_services)],
+            # Auth first; innermost, a unary request that does not parse is INVALID_ARGUMENT
+            # (grpc_decode.py).
+            interceptors=[*interceptors, *server_interceptors(auth, public_services), BadMessageInterceptor()],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

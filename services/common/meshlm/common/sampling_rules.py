@@ -11,7 +11,11 @@ Conventions of `check_sampling_params(values, vocab_size)`:
 * every violation raises `InvalidArgument` (a ValueError: INVALID_ARGUMENT / HTTP 400)
   whose message names `sampling_params.<field>`, the allowed values and the value given;
 * the vocabulary checks (stop_token_ids and logit_bias keys in [0, vocab_size)) run only when a
-  vocab_size is given; everything else needs no model.
+  vocab_size is given; everything else needs no model;
+* integers stay within their proto field's type (max_new_tokens is an int32, sampling_seed an
+  int64, ...) and lists within meshlm.common.input_limits (MAX_N samples, MAX_STOP stop strings of
+  MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS entries), so a checked value always fits
+  the wire and bounds the work of one request.
 """
 
 from __future__ import annotations
@@ -22,6 +26,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NoReturn, TypedDict
+
+from meshlm.common.input_limits import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    InvalidArgument,
+)
 
 __all__ = [
     "BOOL_FIELDS",
@@ -39,10 +55,6 @@ FIELD = "sampling_params."  # every message names the field as sampling_params.<
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request does not set max_new_tokens
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 STRUCTURED_OUTPUT_FIELDS = ("json_schema", "regex", "ebnf")  # constrained decoding: at most one
-
-
-class InvalidArgument(ValueError):
-    """A value outside its rule (a sampling parameter, a token id): INVALID_ARGUMENT / HTTP 400."""
 
 
 class Bounds(TypedDict, total=False):
@@ -121,29 +133,35 @@ class Range:
         text = self.describe()
         if not self.has_type(value):
             kind = "an integer" if self.integer else "a finite number"
-            raise InvalidArgument(f"{FIELD}{name} must be {kind}{' ' + text if text else ''}, got {value!r}")
-        raise InvalidArgument(f"{FIELD}{name} must be {text}, got {value!r}")
+            raise InvalidArgument(f"{FIELD}{name} must be {kind}{' ' + text if text else ''}, got {_short(value)}")
+        raise InvalidArgument(f"{FIELD}{name} must be {text}, got {_short(value)}")
 
 
 RANGES: Mapping[str, Range] = MappingProxyType(
     {
-        "max_new_tokens": Range(integer=True, low=0),
-        "min_new_tokens": Range(integer=True, low=0),
+        "max_new_tokens": Range(integer=True, low=0, high=INT32_MAX),
+        "min_new_tokens": Range(integer=True, low=0, high=INT32_MAX),
         "temperature": Range(low=0),
         "top_p": Range(low=0, low_open=True, high=1),
-        "top_k": Range(integer=True, low=1, extra=-1, extra_text="-1 (whole vocabulary)"),
+        "top_k": Range(integer=True, low=1, high=INT32_MAX, extra=-1, extra_text="-1 (whole vocabulary)"),
         "min_p": Range(low=0, high=1),
         "frequency_penalty": Range(low=-2, high=2),
         "presence_penalty": Range(low=-2, high=2),
         "repetition_penalty": Range(low=0, low_open=True, high=2),
-        "n": Range(integer=True, low=1),
-        "stream_interval": Range(integer=True, low=1),
-        "sampling_seed": Range(integer=True),
+        "n": Range(integer=True, low=1, high=MAX_N),
+        "stream_interval": Range(integer=True, low=1, high=INT32_MAX),
+        "sampling_seed": Range(integer=True, low=INT64_MIN, high=INT64_MAX),
     }
 )
 
 
 _FINITE = Range()  # any finite number
+
+
+def _short(value: Any) -> str:
+    """repr(value), cut to 80 characters (a message must not echo a huge input)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _fail(message: str) -> NoReturn:
@@ -228,10 +246,14 @@ def _check_stop(stop: Any) -> None:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        _fail(f"stop must be a string or a list of strings, got {stop!r}")
+        _fail(f"stop must be a string or a list of strings, got {_short(stop)}")
+    if len(stop) > MAX_STOP:
+        _fail(f"stop has {len(stop)} strings; at most {MAX_STOP} are allowed")
     for i, s in enumerate(stop):
         if not s:
             _fail(f"stop[{i}] is empty; stop strings need at least 1 character")
+        if len(s) > MAX_STOP_CHARS:
+            _fail(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
 
 
 def _check_stop_token_ids(ids: Any, vocab_size: int | None) -> None:
@@ -240,7 +262,9 @@ def _check_stop_token_ids(ids: Any, vocab_size: int | None) -> None:
     if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in ids
     ):
-        _fail(f"stop_token_ids must be a list of token ids (integers), got {ids!r}")
+        _fail(f"stop_token_ids must be a list of token ids (integers), got {_short(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        _fail(f"stop_token_ids has {len(ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed")
     if vocab_size is not None:
         ordered = sorted(ids) if isinstance(ids, (set, frozenset)) else ids
         check_token_ids(ordered, f"{FIELD}stop_token_ids", vocab_size)
@@ -250,7 +274,9 @@ def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
     if bias is None:
         return
     if not isinstance(bias, dict):
-        _fail(f"logit_bias must be an object of token id -> number, got {bias!r}")
+        _fail(f"logit_bias must be an object of token id -> number, got {_short(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        _fail(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     for key, value in bias.items():
         token = parse_token_key(key)
         if token is None or token < 0:

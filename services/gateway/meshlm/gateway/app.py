@@ -6,7 +6,8 @@ Middleware (pure ASGI, so streaming and client-disconnect detection are untouche
     meshlm:http_requests_total{route,status} and meshlm:http_request_duration_seconds{route};
   * CORS (any origin, as SGLang);
   * API key: `Authorization: Bearer <key>` when --api-key is set; /health, /health_generate,
-    /metrics and CORS preflights are exempt; otherwise 401 in OpenAI's error shape.
+    /metrics and CORS preflights are exempt; otherwise 401 in OpenAI's error shape;
+  * body limit: a request body over --max-request-bytes is a 413 (body_limit.py).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshlm.common import telemetry
 from meshlm.common.metrics import Metrics
 from meshlm.gateway import native, native_info, openai_serving
+from meshlm.gateway.body_limit import BodyLimitMiddleware
 from meshlm.gateway.config import GatewayConfig
 from meshlm.gateway.errors import error_response, install_error_handlers
 from meshlm.gateway.grpc_client import TokenizerPool
+from meshlm.gateway.openapi_doc import install_openapi
 from meshlm.gateway.state import GatewayState
 
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
@@ -152,6 +155,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
     app.state.gateway = state
     app.state.metrics = metrics
     install_error_handlers(app)
+    install_openapi(app, state)
     app.include_router(openai_serving.router)
     app.include_router(native.router)
     app.include_router(native_info.router)
@@ -160,6 +164,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=config.auth.api_key_value)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     routes = [

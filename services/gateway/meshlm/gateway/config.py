@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from meshlm.common.addresses import parse_addresses
 from meshlm.common.flags import Flag
+from meshlm.common.input_limits import MAX_REQUEST_BYTES
 from meshlm.common.service_config import ServiceConfig, need
 from meshlm.gateway.function_call.registry import PARSERS
 from meshlm.gateway.reasoning.registry import STYLES
@@ -28,7 +29,7 @@ ENV_PREFIX = "MESHLM_GATEWAY_"
 @dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
     """The gateway's own fields after the shared ones. Invariants: one or more tokenizer
-    addresses (host:port), request_timeout_s > 0, stream_stall_timeout_s > 0, an empty
+    addresses (host:port), request_timeout_s > 0, max_request_bytes >= 1, stream_stall_timeout_s > 0, an empty
     served_model_name is None."""
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
@@ -42,6 +43,7 @@ class GatewayConfig(ServiceConfig):
             "tokenizer_addrs": Flag("tokenizer replicas, comma-separated host:port list (re-resolved while running)"),
             "served_model_name": Flag("model name of /v1/* (default: the tokenizer's GetModelInfo.served_model_name)"),
             "request_timeout_s": Flag("deadline of one generate/embed call to a tokenizer, in seconds"),
+            "max_request_bytes": Flag("largest HTTP request body in bytes; a larger one gets 413"),
             "tool_call_parser": Flag(
                 "turn model output into message.tool_calls for tool_choice auto: "
                 "hermes | qwen25 | llama3_json | mistral | pythonic (default: none; tool_choice auto is then a 400)"
@@ -64,6 +66,7 @@ class GatewayConfig(ServiceConfig):
     tokenizer_addrs: tuple[str, ...] = ("localhost:50051",)
     served_model_name: str | None = None
     request_timeout_s: float = 600.0
+    max_request_bytes: int = MAX_REQUEST_BYTES
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     strict_api: bool = False
@@ -86,6 +89,10 @@ class GatewayConfig(ServiceConfig):
         need(
             self.request_timeout_s > 0,
             f"request_timeout_s must be > 0, got {self.request_timeout_s}",
+        )
+        need(
+            self.max_request_bytes >= 1,
+            f"max_request_bytes must be >= 1, got {self.max_request_bytes}",
         )
         for name in ("served_model_name", "tool_call_parser", "reasoning_parser"):
             if getattr(self, name) == "":

@@ -26,6 +26,7 @@ from meshlm.gateway.grpc_client import (
     sampling_params,
     trace_context,
 )
+from meshlm.gateway.json_body import StrictJsonRoute
 from meshlm.gateway.native_outputs import native_output
 from meshlm.gateway.native_protocol import (
     AbortReq,
@@ -46,7 +47,7 @@ from meshlm.gateway.outputs import (
 from meshlm.gateway.state import GatewayState, get_state
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
-router = APIRouter(tags=["SGLang-native"])
+router = APIRouter(tags=["SGLang-native"], route_class=StrictJsonRoute)
 
 
 def route(path: str, methods: list[str]) -> Any:

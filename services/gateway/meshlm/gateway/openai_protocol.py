@@ -1,36 +1,45 @@
 """OpenAI-compatible request and response models (field names and defaults as OpenAI's API, plus
 SGLang's extras). Requests validate strictly: wrong JSON types and out-of-range values are 400s
-(the error handler in errors.py), never coerced and never 422. The bounds of the sampling fields
-are meshlm.common.sampling_rules' (the ones the tokenizer and scheduler apply), narrowed where
-OpenAI's API is narrower (n, temperature)."""
+(the error handler in errors.py), never coerced and never 422. Every number and list is bounded by
+meshlm.gateway.input_types (the limits of meshlm.common.input_limits and the sampling rules of
+meshlm.common.sampling_rules, which the tokenizer and scheduler apply too), narrowed where OpenAI's
+API is narrower (temperature, logit_bias, top_logprobs); the OpenAPI document states each bound."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from meshlm.common.input_limits import INT32_MAX, MAX_MESSAGES, MAX_N, MAX_TOP_LOGPROBS
 from meshlm.common.sampling_rules import RANGES
+from meshlm.gateway.input_types import (
+    IdText,
+    MessageText,
+    Name,
+    OpenAILogitBias,
+    PromptText,
+    PromptValue,
+    RequestId,
+    Stop,
+    StopTokenIds,
+    TokenIdList,
+    check_token_keys,
+    ruled,
+)
 from meshlm.gateway.openai_tool_types import DeltaToolCall, Tool, ToolCallIn, ToolCallOut, ToolChoice
 
 # ---------------------------------------------------------------------------- requests
 
-INT32 = 1 << 31
-OPENAI_MAX_N = 128
 OPENAI_MAX_TEMPERATURE = 2  # OpenAI's limit; the servers take any finite temperature >= 0
 
 
-def _ruled(default: Any, rule: str, description: str | None = None, **narrower: float) -> Any:
-    """A Field bounded as meshlm.common.sampling_rules.RANGES[rule], narrowed by `narrower`."""
-    return Field(default, description=description, **RANGES[rule].bounds(**narrower))
-
-
 class _Request(BaseModel):
-    # strict: "16" is not an int and "true" is not a bool. Unknown fields are kept in model_extra
-    # so that each request's unsupported fields are logged or, with --strict-api, rejected
-    # (openai_fields.py): never dropped without a word.
-    model_config = ConfigDict(strict=True, extra="allow")
+    # strict: "16" is not an int and "true" is not a bool; no NaN / inf. Unknown fields are kept in
+    # model_extra so that each request's unsupported fields are logged or, with --strict-api,
+    # rejected (openai_fields.py): never dropped without a word.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -38,41 +47,32 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-def check_prompt(v: Any) -> Any:
-    """A prompt (str | list[str] | list[int] | list[list[int]]) must not be empty, nor any of its items."""
-    if not v:
-        raise ValueError("must not be empty")
-    if isinstance(v, list) and isinstance(v[0], (str, list)) and any(not p for p in v):
-        raise ValueError("must not contain an empty prompt")
-    return v
-
-
 class _SamplingFields(_Request):
     """Sampling fields shared by completions and chat (OpenAI's, then SGLang's extras)."""
 
-    model: str | None = Field(None, description="must be the served model name (GET /v1/models)")
-    n: int = _ruled(1, "n", le=OPENAI_MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    model: Name | None = Field(None, description="must be the served model name (GET /v1/models)")
+    n: int = ruled(1, "n")
+    stop: Stop | None = None
+    seed: int | None = ruled(None, "sampling_seed")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = _ruled(None, "temperature", "default 1.0", le=OPENAI_MAX_TEMPERATURE)
-    top_p: float | None = _ruled(None, "top_p", "default 1.0")
-    presence_penalty: float | None = _ruled(None, "presence_penalty")
-    frequency_penalty: float | None = _ruled(None, "frequency_penalty")
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    temperature: float | None = ruled(None, "temperature", "default 1.0", le=OPENAI_MAX_TEMPERATURE)
+    top_p: float | None = ruled(None, "top_p", "default 1.0")
+    presence_penalty: float | None = ruled(None, "presence_penalty")
+    frequency_penalty: float | None = ruled(None, "frequency_penalty")
+    logit_bias: OpenAILogitBias | None = None
+    user: Name | None = None
     # SGLang extras
-    top_k: int | None = Field(None, lt=INT32, description="-1 = whole vocabulary")
-    min_p: float | None = _ruled(None, "min_p")
-    min_tokens: int | None = _ruled(None, "min_new_tokens", lt=INT32)
-    repetition_penalty: float | None = _ruled(None, "repetition_penalty")
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = ruled(None, "top_k", "-1 = whole vocabulary")
+    min_p: float | None = ruled(None, "min_p")
+    min_tokens: int | None = ruled(None, "min_new_tokens")
+    repetition_penalty: float | None = ruled(None, "repetition_penalty")
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    rid: str | None = None
+    rid: RequestId | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -88,56 +88,39 @@ class _SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
-        return v
-
-    @field_validator("rid")
-    @classmethod
-    def _rid(cls, v: str | None) -> str | None:
-        if v is not None and not v:
-            raise ValueError("must not be empty")
-        return v
+        return check_token_keys(v)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = _ruled(16, "max_new_tokens", lt=INT32)
-    logprobs: int | None = Field(None, ge=0, le=20, description="number of top logprobs per token")
+    prompt: PromptValue
+    max_tokens: int | None = ruled(16, "max_new_tokens")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="number of top logprobs per token")
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v: Any) -> Any:
-        return check_prompt(v)
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    type: str
-    text: str | None = None
+    type: Name
+    text: MessageText | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: MessageText | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Name | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
-    tool_call_id: str | None = None  # tool: the call this message answers
-    reasoning_content: str | None = None  # assistant: its earlier thinking (templates may render it)
+    tool_call_id: IdText | None = None  # tool: the call this message answers
+    reasoning_content: MessageText | None = None  # assistant: its earlier thinking (templates may render it)
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = _ruled(None, "max_new_tokens", "deprecated; max_completion_tokens wins", lt=INT32)
-    max_completion_tokens: int | None = _ruled(None, "max_new_tokens", lt=INT32)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = ruled(None, "max_new_tokens", "deprecated; max_completion_tokens wins")
+    max_completion_tokens: int | None = ruled(None, "max_new_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = Field(False, description="leave the final assistant message open (transformers')")
     add_generation_prompt: bool | None = Field(None, description="default: not continue_final_message")
     tools: list[Tool] | None = None
@@ -155,26 +138,21 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class EmbeddingRequest(_Request):
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    model: Name | None = None
+    input: PromptValue
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
-    rid: str | None = None
-
-    @field_validator("input")
-    @classmethod
-    def _input(cls, v: Any) -> Any:
-        return check_prompt(v)
+    dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
+    user: Name | None = None
+    rid: RequestId | None = None
 
 
 class TokenizeRequest(_Request):
     """Text (`prompt`) or a chat (`messages`, or `prompt` as a list of messages) rendered as
     /v1/chat/completions renders it (vLLM's tokenize request)."""
 
-    model: str | None = None
-    prompt: str | list[ChatMessage] | None = None
-    messages: list[ChatMessage] | None = None
+    model: Name | None = None
+    prompt: PromptText | Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
@@ -184,8 +162,8 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
+    model: Name | None = None
+    tokens: TokenIdList
     skip_special_tokens: bool | None = None
 
 

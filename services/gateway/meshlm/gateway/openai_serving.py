@@ -15,6 +15,7 @@ from meshlm.common.errors import ServiceError
 from meshlm.common.log import request_id_var
 from meshlm.gateway.errors import bad_request
 from meshlm.gateway.grpc_client import ClientDisconnected, cancel_on_disconnect, trace_context
+from meshlm.gateway.json_body import StrictJsonRoute
 from meshlm.gateway.openai_chat import ChatPlan, ChoiceParts, plan_chat
 from meshlm.gateway.openai_fields import report_unsupported
 from meshlm.gateway.openai_outputs import (
@@ -54,7 +55,7 @@ from meshlm.gateway.outputs import Output, sse, sse_response
 from meshlm.gateway.state import GatewayState, get_state
 from meshlm.v1 import tokenizer_pb2
 
-router = APIRouter(tags=["OpenAI-compatible"])
+router = APIRouter(tags=["OpenAI-compatible"], route_class=StrictJsonRoute)
 
 # ---------------------------------------------------------------------------- completions
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from meshlm.common.errors import ServiceError
+from meshlm.tokenizer import limits
 from meshlm.tokenizer.scheduler_client import SchedulerConnection
 from meshlm.tokenizer.state import error_from_finish, error_reason, invalid
 from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
@@ -162,6 +163,7 @@ class ControlPlane:
         self.m.check_accepting()
         if request.capacity_of_str_len < 0:
             raise invalid(f"capacity_of_str_len must be >= 0, got {request.capacity_of_str_len}")
+        limits.check_id("session_id", request.session_id)
         if not await self.m.schedulers.wait_any_connected(self.timeout):
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no scheduler is connected")
         if request.session_id:
@@ -189,6 +191,7 @@ class ControlPlane:
     async def close_session(self, session_id: str) -> None:
         if not session_id:
             raise invalid("session_id is empty")
+        limits.check_id("session_id", session_id)
         conn = self.m.dispatch.route(session_id)
         out = await conn.call(
             scheduler_pb2.SchedulerInput(close_session=scheduler_pb2.CloseSessionReq(session_id=session_id)),

@@ -34,6 +34,7 @@ from meshlm.common.channels import Dialer
 from meshlm.common.errors import ServiceError
 from meshlm.common.metrics import Metrics
 from meshlm.common.telemetry import current_traceparent, span, start_span
+from meshlm.tokenizer import limits
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.control import ControlPlane
 from meshlm.tokenizer.detokenizer_client import DetokenizerPool
@@ -371,6 +372,7 @@ class TokenizerManager:
             return
         if not rid:
             raise invalid("rid is empty; give a request id or set abort_all")
+        limits.check_id("rid", rid)
         mine = [s for s in self.states.values() if s.public_rid == rid or s.public_rid.startswith(rid + "_")]
         for s in mine:
             s.conn.send(abort_msg(s.wire_rid, "aborted by request"))
@@ -392,6 +394,7 @@ class TokenizerManager:
     def detokenize(self, request: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
         tok = self._tok()
         try:
+            limits.check_detokenize(request)
             check_token_ids(request.tokens, "tokens", tok.vocab_size)
         except InvalidRequest as e:
             raise invalid(str(e)) from e

@@ -4,7 +4,8 @@ sampling and token-id rules are meshlm.common.sampling_rules, shared with the sc
 
 A GenerateRequest becomes one `SubRequest` per output: prompt p, sample j -> index p*n + j, rid
 `<rid>` when there is exactly one output, else `<rid>_<index>` (docs/ring.md "Identities").
-Every problem raises `InvalidRequest`, whose message names the field and the limit.
+Every problem raises `InvalidRequest`, whose message names the field and the limit; the size
+limits of every message (meshlm.tokenizer.limits) are checked before any prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshlm.common import sampling_rules
+from meshlm.tokenizer import limits
 from meshlm.tokenizer.chat import ChatInputError, message_dict, template_variables
 from meshlm.tokenizer.hf_tokenizer import ChatTemplateError, HFTokenizer
+from meshlm.tokenizer.limits import InvalidRequest as InvalidRequest  # raised by every function here
+from meshlm.tokenizer.limits import as_invalid_request
 from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
-
-
-class InvalidRequest(sampling_rules.InvalidArgument):
-    """Bad input: INVALID_ARGUMENT / HTTP 400."""
 
 
 @dataclass
@@ -71,6 +71,7 @@ def tokenize_prompt(
     add_special_tokens: bool = True,
 ) -> tuple[str, list[int]]:
     """(input_text, input_ids) of one Prompt; `where` names it in errors (e.g. "prompts[2]")."""
+    limits.check_prompt(prompt, where)
     kind = prompt.WhichOneof("kind")
     if kind is None:
         raise InvalidRequest(f"{where}: set exactly one of text, input_ids, messages")
@@ -118,10 +119,8 @@ def tokenize_prompt(
 
 def check_token_ids(ids: Sequence[int], where: str, vocab_size: int) -> None:
     """Every id in [0, vocab_size) (meshlm.common.sampling_rules); `where` names the list."""
-    try:
+    with as_invalid_request():
         sampling_rules.check_token_ids(ids, where, vocab_size)
-    except sampling_rules.InvalidArgument as e:
-        raise InvalidRequest(str(e)) from None
 
 
 def verify_sampling_params(sp: common_pb2.SamplingParams, vocab_size: int) -> None:
@@ -133,10 +132,8 @@ def verify_sampling_params(sp: common_pb2.SamplingParams, vocab_size: int) -> No
             values[name] = list(values[name])
     if "logit_bias" in values:
         values["logit_bias"] = dict(values["logit_bias"])
-    try:
+    with as_invalid_request():
         sampling_rules.check_sampling_params(values, vocab_size)
-    except sampling_rules.InvalidArgument as e:
-        raise InvalidRequest(str(e)) from None
 
 
 def normalize_generate(
@@ -155,6 +152,7 @@ def normalize_generate(
 
     max_input_len: longest prompt the model accepts (0 = unknown; the scheduler checks).
     """
+    limits.check_generate(request)
     _need(len(request.prompts) > 0, "prompts is empty; send at least 1 prompt")
     sp = request.sampling_params
     verify_sampling_params(sp, vocab_size)
@@ -276,6 +274,7 @@ def normalize_embed(
     rid: str | None = None,
 ) -> tuple[str, list[tuple[int, str, scheduler_pb2.TokenizedEmbeddingReqInput]]]:
     """(rid, [(index, sub rid, TokenizedEmbeddingReqInput)]) of an EmbedRequest."""
+    limits.check_embed(request)
     _need(len(request.prompts) > 0, "prompts is empty; send at least 1 prompt")
     rid = rid or request.rid or new_rid()
     created = time.time() if created_time is None else created_time

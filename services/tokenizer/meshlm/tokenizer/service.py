@@ -5,7 +5,8 @@ in its constructor, and returns them with the health-tracking task as a `Running
 (which owns that task: nothing is attached to the manager from outside).
 
 Errors leave as `context.abort(code, message)` with the code of meshlm.common.errors; the
-message names the field and the limit. Unexpected exceptions become INTERNAL (logged).
+message names the field and the limit. A rule's InvalidArgument (meshlm.common.input_limits) is
+INVALID_ARGUMENT wherever it is raised; other unexpected exceptions become INTERNAL (logged).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 
 from meshlm.common.errors import ServiceError
 from meshlm.common.grpc_server import GrpcServer
+from meshlm.common.input_limits import InvalidArgument
 from meshlm.common.log import setup_logging
 from meshlm.common.metrics import Metrics
 from meshlm.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -40,6 +42,8 @@ async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[T
         return await fn()
     except ServiceError as e:
         await context.abort(e.code, e.message)
+    except InvalidArgument as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except (asyncio.CancelledError, grpc.aio.AbortError):
         raise
     except Exception as e:
@@ -65,6 +69,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     yield response
         except ServiceError as e:
             await context.abort(e.code, e.message)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as e:

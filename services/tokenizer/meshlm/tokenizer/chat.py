@@ -57,26 +57,28 @@ def message_dict(m: tokenizer_pb2.ChatMessage) -> dict[str, Any]:
     return out
 
 
+def _json_field(text: str, field: str, kind: type, what: str) -> Any:
+    """`text` parsed as JSON of type `kind`; ChatInputError naming `field` otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ChatInputError(f"{field} is not JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise ChatInputError(f"{field} must be {what}")
+    return value
+
+
 def template_variables(msgs: tokenizer_pb2.ChatMessages, where: str) -> dict[str, Any]:
     """tools + chat_template_kwargs of `msgs` as template variables."""
     variables: dict[str, Any] = {}
     if msgs.chat_template_kwargs_json:
-        try:
-            kwargs = json.loads(msgs.chat_template_kwargs_json)
-        except ValueError as e:
-            raise ChatInputError(f"{where}.chat_template_kwargs_json is not JSON: {e}") from None
-        if not isinstance(kwargs, dict):
-            raise ChatInputError(f"{where}.chat_template_kwargs_json must be a JSON object")
+        kwargs = _json_field(
+            msgs.chat_template_kwargs_json, f"{where}.chat_template_kwargs_json", dict, "a JSON object"
+        )
         clash = sorted(RESERVED_VARIABLES & kwargs.keys())
         if clash:
             raise ChatInputError(f"{where}.chat_template_kwargs may not set {', '.join(clash)}")
         variables.update(kwargs)
     if msgs.tools_json:
-        try:
-            tools = json.loads(msgs.tools_json)
-        except ValueError as e:
-            raise ChatInputError(f"{where}.tools_json is not JSON: {e}") from None
-        if not isinstance(tools, list):
-            raise ChatInputError(f"{where}.tools_json must be a JSON list of tools")
-        variables["tools"] = tools
+        variables["tools"] = _json_field(msgs.tools_json, f"{where}.tools_json", list, "a JSON list of tools")
     return variables

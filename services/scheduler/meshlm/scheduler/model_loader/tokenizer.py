@@ -12,9 +12,10 @@ first call, once (the grammar backends are built on a compile thread at the firs
 request, never at start-up).
 
 Invariants: `decode` is transformers' `decode(ids)` (special tokens kept, the config's
-clean_up_tokenization_spaces applied); `encode(text, add_special_tokens)` is tokenizers'
-encode with padding and truncation off; a directory without tokenizer.json (a slow-only
-tokenizer) gets the transformers tokenizer itself from `load_tokenizer`.
+clean_up_tokenization_spaces applied as transformers 5 does: not to a BPE vocabulary);
+`encode(text, add_special_tokens)` is tokenizers' encode with padding and truncation off; a
+directory without tokenizer.json (a slow-only tokenizer) gets the transformers tokenizer itself
+from `load_tokenizer`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,12 @@ class FastTokenizer:
         legacy = _read_json(self.path / "special_tokens_map.json")  # fills what the config lacks
         bos = _token_str(config.get("bos_token")) or _token_str(legacy.get("bos_token"))
         self.bos_token_id: int | None = self._tok.token_to_id(bos) if bos else None
-        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        # As transformers (>= 5): the cleanup is for WordPiece vocabularies and skipped for BPE,
+        # which it would corrupt, unless the config insists.
+        force = bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(self._tok.model).__name__ != "BPE" or force
+        )
         self._hf: Any = None
         self._hf_lock = threading.Lock()
 

@@ -5,7 +5,7 @@
     python bench/bench_startup.py -- --dtype float32 --max-total-tokens 12000   # engine flags
 
 Each run starts `python -m meshlm.launch.cli launch --log-level info` as its own process (the
-`meshlm` console script runs the same function), polls `GET /health` every 50 ms, waits for the
+`meshlm` console script runs the same function), polls `GET /health` every 250 ms, waits for the
 launcher's "meshlm is serving" line (every service ready), then sends one 1-token /generate
 (the first request's extra cost: the first forward) and stops the system with SIGTERM. It prints
 per run: the seconds to /health = 200, to "serving", to the first generated token, and the
@@ -104,7 +104,7 @@ def one_run(engine_args: list[str], env: dict[str, str], timeout_s: float) -> di
             if _http(base + "/health", timeout=1.0) == 200:
                 out["health"] = time.perf_counter() - t0
             else:
-                time.sleep(0.05)
+                time.sleep(0.25)
         if not serving.wait(max(1.0, timeout_s - (time.perf_counter() - t0))):
             raise TimeoutError("the launcher never said it is serving")
         out["serving"] = next(t for t, line in lines if line.startswith("meshlm is serving"))

@@ -12,33 +12,14 @@ reserved dummies: padded batch entries point at them, and they are never handed 
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
+
+from meshlm.scheduler.mem_cache.zeroed_memory import Populator, can_populate_later, zeroed
 
 Device = str | torch.device
 
 # Float8 types are stored as raw bytes: index_put is not implemented for them on every backend.
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
-
-
-def zeroed_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled, resident tensor (what torch.zeros gives). On CPU its memory is an
-    anonymous mmap that the kernel populates at once (MAP_POPULATE): its pages come zeroed from
-    the kernel, faulted in by one call, in about half the time torch.zeros takes (a page fault
-    and then a memset per page: ~1 s of start-up for a 2 GiB KV pool on a small machine). The
-    tensor keeps the mapping alive; it is unmapped with the tensor. Elsewhere, or where
-    the mapping fails, torch.zeros."""
-    populate = getattr(mmap, "MAP_POPULATE", None)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if device.type != "cpu" or populate is None or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    try:
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    except OSError:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 class ReqToTokenPool:
@@ -124,13 +105,17 @@ class MHATokenToKVPool:
         self.device = torch.device(device)
         shape = (size + page_size, head_num, head_dim)
         # Zero-filled: a padded entry reads the padding page, and SDPA's masked keys still
-        # enter its products (0 * NaN), so no slot may hold garbage.
+        # enter its products (0 * NaN), so no slot may hold garbage. On CPU the buffers are
+        # anonymous mappings (zeros from the kernel) made resident by a background thread
+        # (mem_cache/zeroed_memory.py): start-up does not wait for 2 GiB of page faults.
+        lazy = self.device.type == "cpu" and can_populate_later()
         self.k_buffer: list[torch.Tensor] = [
-            zeroed_buffer(shape, self.store_dtype, self.device) for _ in range(layer_num)
+            zeroed(shape, self.store_dtype, self.device, lazy=lazy) for _ in range(layer_num)
         ]
         self.v_buffer: list[torch.Tensor] = [
-            zeroed_buffer(shape, self.store_dtype, self.device) for _ in range(layer_num)
+            zeroed(shape, self.store_dtype, self.device, lazy=lazy) for _ in range(layer_num)
         ]
+        self.populator = Populator(self.k_buffer + self.v_buffer, "KV pool").start() if lazy else None
 
     @staticmethod
     def cell_size_bytes(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:

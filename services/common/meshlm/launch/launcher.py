@@ -304,6 +304,8 @@ def wait_all_ready(children: Sequence[Child], timeout_s: float, tls: TlsConfig =
                 logger.info("%s ready after %.1fs", child.name, time.monotonic() - t0)
         if not pending:
             return
+        if all(_READY_STAGE[c.component] > stage for c in pending):
+            continue  # a stage just finished: ask the next one at once
         if time.monotonic() >= deadline:
             names = ", ".join(c.name for c in pending)
             raise TimeoutError(f"{names} {'was' if len(pending) == 1 else 'were'} not ready within {timeout_s:.0f}s")

@@ -70,6 +70,7 @@ class GemvBlockCache:
         self._threads = max(1, threads or torch.get_num_threads())
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._unwritable = False  # set at the first failed store: warn once, stop trying
         self.stats = CacheStats()
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -144,7 +145,9 @@ class GemvBlockCache:
         return CachedBlocks(fmt, out.get("scales"), out.get("mins"), out.get("quants"))
 
     def store(self, key: str, n: int, k: int, blocks: CachedBlocks) -> None:
-        """Write blocks under key (atomically); a failure to write is logged, not raised."""
+        """Write blocks under key (atomically); a failure to write is logged (once), not raised."""
+        if self._unwritable:
+            return
         tensors = {name: t for name in _TENSORS if (t := getattr(blocks, name)) is not None}
         views = {name: _bytes_of(t) for name, t in tensors.items()}
         header = {
@@ -177,6 +180,7 @@ class GemvBlockCache:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         except OSError as e:
+            self._unwritable = True
             log.warning("cannot write the GEMV cache in %s (%s); blocks are recovered at every start", self.root, e)
             return
         self.stats.stored += 1

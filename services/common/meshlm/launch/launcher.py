@@ -268,8 +268,8 @@ def _is_ready(child: Child, tls: TlsConfig) -> bool:
 def _start_failure(child: Child, what: str) -> RuntimeError:
     """The error for a child that failed to start: its name, `what`, its last output lines."""
     message = f"{child.name} {what}"
-    if child.output is not None:
-        if child.proc is not None and child.proc.poll() is not None:
+    if child.output is not None and child.proc is not None and child.output.pid == child.proc.pid:
+        if child.proc.poll() is not None:
             child.output.join(2.0)  # what it wrote before exiting
         tail = child.output.text()
         if tail:
@@ -326,7 +326,7 @@ def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: dict[str, str]
             c.proc = subprocess.Popen(
                 c.argv, env=child_env(proc_env, c), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
-            c.output = OutputTail.start(c.name, c.proc.stdout)
+            c.output = OutputTail.start(c.name, c.proc.stdout, c.proc.pid)
             system.children.append(c)
         wait_all_ready(children, ready_timeout_s, plan.tls)
     except BaseException:

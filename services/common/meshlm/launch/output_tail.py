@@ -25,8 +25,11 @@ _READ_BYTES = 65536
 
 
 class OutputTail:
-    def __init__(self, name: str, pipe: IO[bytes], keep_bytes: int = KEEP_BYTES, out_fd: int = 2) -> None:
+    def __init__(
+        self, name: str, pipe: IO[bytes], keep_bytes: int = KEEP_BYTES, out_fd: int = 2, pid: int | None = None
+    ) -> None:
         self.name = name
+        self.pid = pid  # the process whose output this is (a restarted child is another one)
         self._pipe = pipe
         self._keep = keep_bytes
         self._out_fd = out_fd
@@ -35,10 +38,10 @@ class OutputTail:
         self._thread = threading.Thread(target=self._copy, name=f"output-{name}", daemon=True)
 
     @classmethod
-    def start(cls, name: str, pipe: IO[bytes] | None) -> OutputTail:
+    def start(cls, name: str, pipe: IO[bytes] | None, pid: int | None = None) -> OutputTail:
         if pipe is None:
             raise ValueError(f"{name}: the child's stdout must be a pipe")
-        tail = cls(name, pipe)
+        tail = cls(name, pipe, pid=pid)
         tail._thread.start()
         return tail
 

@@ -13,7 +13,12 @@ scheduler's own phase times from its log (imports, model facts, weights, prepack
 ready), and each service's ready time as the launcher logs it; then the median of the warm runs.
 
 Baseline (measured in the same run, first): a fresh interpreter doing `import torch`, the floor
-of any scheduler start-up; the summary prints start-up / baseline.
+of any scheduler start-up; the summary prints start-up / baseline. With `--against REPO` (another
+checkout, e.g. the main branch before a change) every warm run is preceded by one of REPO's
+code (PYTHONPATH = REPO/services/*, same cache, same flags), and the summary prints the medians
+of both and their ratio.
+
+    python bench/bench_startup.py --runs 3 --against /work/main
 
 --cold points MESHLM_CACHE at an empty temporary directory for one extra run first: the GGUF
 conversion, the C kernels' compiles and the GEMV block cache are redone, and their log lines
@@ -147,6 +152,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="warm runs (default: 3)")
     p.add_argument("--cold", action="store_true", help="one extra run first on an empty $MESHLM_CACHE")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per run (default: 600)")
+    p.add_argument("--against", default=None, help="another checkout: alternate warm runs of its code (the baseline)")
     p.add_argument("--log", default=None, help="write the last run's console output (every service's log) here")
     p.add_argument("engine_args", nargs="*", help="flags for `meshlm launch` (after --)")
     args = p.parse_args()
@@ -164,8 +170,16 @@ def main() -> int:
         print_run("cold", cold)
         for line in cold["cold_notes"]:
             print(f"    {line}")
-    warm = []
+    warm, base = [], []
+    base_env = None
+    if args.against:
+        services = os.path.join(args.against, "services")
+        paths = [os.path.join(services, d) for d in ("common", "scheduler", "tokenizer", "detokenizer", "gateway")]
+        base_env = {**env, "PYTHONPATH": os.pathsep.join(paths)}
     for i in range(args.runs):
+        if base_env is not None:
+            base.append(one_run(args.engine_args, base_env, args.timeout_s))
+            print_run(f"base {i + 1}", base[-1])
         warm.append(one_run(args.engine_args, env, args.timeout_s))
         print_run(f"warm {i + 1}", warm[-1])
     if args.log and (warm or args.cold):
@@ -178,6 +192,10 @@ def main() -> int:
             f"median to serving {med['serving']:.2f}s = {med['serving'] / baseline:.1f}x the import-torch "
             f"baseline; to /health {med['health']:.2f}s; to the first token {med['first_token']:.2f}s"
         )
+    if base and warm:
+        for c in ("health", "serving", "first_token"):
+            b, w = statistics.median(r[c] for r in base), statistics.median(r[c] for r in warm)
+            print(f"median to {c}: {args.against} {b:.2f}s, this checkout {w:.2f}s (ratio {w / b:.2f})")
     return 0
 
 

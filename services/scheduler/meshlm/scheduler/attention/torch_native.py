@@ -63,9 +63,29 @@ def length_buckets(lens: list[int]) -> list[list[int]]:
 
 
 @dataclass
-class _ExtendMeta:
+class ExtendMeta:
     kv_idx: list[torch.Tensor]  # per request, [seq_len_i] KV slots (only when prefix_i > 0)
     bounds: list[tuple[int, int]]  # per request, [start, end) rows of the packed batch
+    prefix_lens: list[int]  # per request, cached tokens before its extend rows
+
+
+def extend_meta(fb: ForwardBatch, segments: list[int] | None = None) -> ExtendMeta:
+    """The extend metadata of `segments` (indices of fb's requests; None = all of them)."""
+    assert fb.req_to_token_pool is not None
+    table = fb.req_to_token_pool.req_to_token
+    starts = [0]
+    for n in fb.extend_seq_lens_cpu:
+        starts.append(starts[-1] + n)
+    rows = fb.req_pool_indices.tolist()
+    meta = ExtendMeta([], [], [])
+    for i in range(len(rows)) if segments is None else segments:
+        pre = fb.extend_prefix_lens_cpu[i]
+        meta.bounds.append((starts[i], starts[i + 1]))
+        meta.prefix_lens.append(pre)
+        meta.kv_idx.append(
+            table[rows[i], : starts[i + 1] - starts[i] + pre] if pre > 0 else torch.empty(0, dtype=torch.int64)
+        )
+    return meta
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -97,14 +117,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 )
             fb.attn_metadata = _DecodeMeta(buckets)
             return
-        bounds: list[tuple[int, int]] = []
-        kv_slots: list[torch.Tensor] = []
-        start = 0
-        for row, pre, n in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
-            bounds.append((start, start + n))
-            kv_slots.append(table[row, : pre + n] if pre > 0 else torch.empty(0, dtype=torch.int64))
-            start += n
-        fb.attn_metadata = _ExtendMeta(kv_slots, bounds)
+        fb.attn_metadata = extend_meta(fb)
 
     def forward(
         self,
@@ -120,7 +133,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         if fb.forward_mode.is_decode():
             return self.decode(q, k_buf, v_buf, layer, fb)
-        return self._extend(q, k, v, k_buf, v_buf, layer, fb, layer.num_heads != layer.num_kv_heads)
+        meta = fb.attn_metadata
+        assert isinstance(meta, ExtendMeta)
+        return self.extend(q, k, v, k_buf, v_buf, layer, meta, torch.empty_like(q))
 
     def decode(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
@@ -155,20 +170,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.reshape(b, h, d)
 
     @staticmethod
-    def _extend(
+    def extend(
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
         layer: RadixAttention,
-        fb: ForwardBatch,
-        gqa: bool,
+        meta: ExtendMeta,
+        out: torch.Tensor,
     ) -> torch.Tensor:
-        meta = fb.attn_metadata
-        assert isinstance(meta, _ExtendMeta)
-        out = torch.empty_like(q)
-        for (s, e), pre, kv_idx in zip(meta.bounds, fb.extend_prefix_lens_cpu, meta.kv_idx):
+        """Rows of `out` of meta's requests = their causal attention (other rows untouched)."""
+        gqa = layer.num_heads != layer.num_kv_heads
+        for (s, e), pre, kv_idx in zip(meta.bounds, meta.prefix_lens, meta.kv_idx):
             qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if pre == 0:
                 ki = k[s:e].transpose(0, 1).unsqueeze(0)

@@ -1,0 +1,123 @@
+"""Extend attention of every backend equals plain causal attention over each request's own cache
+positions, for batches mixing one-token segments (a mixed chunk's decode rows), short and long
+segments, with and without a cached prefix. The CPU backend sends the short segments through
+its C kernel and the long ones through SDPA; both halves must land in the right rows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from meshlm.scheduler.attention.cpu import KERNEL_EXTEND_MAX, CpuAttnBackend, split_extend
+from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
+from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
+from meshlm.scheduler.layers.radix_attention import RadixAttention
+from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+LONG = KERNEL_EXTEND_MAX + 13
+
+
+def _cpu_backend() -> CpuAttnBackend:
+    try:
+        return CpuAttnBackend(load_decode_kernel())
+    except KernelUnavailable as e:  # pragma: no cover - the CI machine has gcc
+        pytest.skip(f"no C compiler: {e}")
+
+
+def _extend_batch(segments: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, dtype: torch.dtype):
+    """(fb, pool, table) for requests with (prefix, extend) lengths; the prefixes' K/V are random
+    and already in the pool, the extend tokens get fresh slots."""
+    rng = random.Random(1)
+    total = sum(p + n for p, n in segments)
+    pool = MHATokenToKVPool(total + 64, 1, dtype, kv_heads, dim, 1)
+    table = ReqToTokenPool(len(segments) + 1, max(p + n for p, n in segments) + 1)
+    slots = rng.sample(range(1, total + 64), total)
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape))
+    out_loc, positions, at = [], [], 0
+    for i, (pre, n) in enumerate(segments):
+        table.req_to_token[i + 1, : pre + n] = torch.tensor(slots[at : at + pre + n])
+        out_loc += slots[at + pre : at + pre + n]
+        positions += list(range(pre, pre + n))
+        at += pre + n
+    t = sum(n for _, n in segments)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(segments),
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        positions=torch.tensor(positions),
+        seq_lens=torch.tensor([p + n for p, n in segments]),
+        req_pool_indices=torch.arange(1, len(segments) + 1),
+        out_cache_loc=torch.tensor(out_loc),
+        seq_lens_cpu=[p + n for p, n in segments],
+        extend_prefix_lens_cpu=[p for p, _ in segments],
+        extend_seq_lens_cpu=[n for _, n in segments],
+        req_to_token_pool=table,
+        token_to_kv_pool=pool,
+    )
+    return fb, pool, table
+
+
+def _reference(q, pool, table, segments, heads, kv_heads, dim) -> torch.Tensor:
+    """Token a of request i (absolute position pre + a) attends to its slots 0 .. pre + a."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    row = 0
+    for i, (pre, n) in enumerate(segments):
+        idx = table.req_to_token[i + 1, : pre + n]
+        keys = pool.k_buffer[0][idx].float().repeat_interleave(heads // kv_heads, dim=1)
+        vals = pool.v_buffer[0][idx].float().repeat_interleave(heads // kv_heads, dim=1)
+        for a in range(n):
+            seen = pre + a + 1
+            scores = torch.einsum("hd,nhd->hn", q[row].float(), keys[:seen]) * dim**-0.5
+            out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals[:seen])
+            row += 1
+    return out
+
+
+CASES = {
+    "mixed chunk": [(40, 1), (0, LONG), (7, 1), (100, 1)],  # decode rows around a fresh prompt
+    "short and long with prefixes": [(5, 3), (30, LONG), (0, 2), (12, KERNEL_EXTEND_MAX), (3, KERNEL_EXTEND_MAX + 1)],
+    "only short": [(9, 1), (0, 4), (50, 2)],
+    "only long": [(0, LONG), (17, LONG)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "dtype"), [(9, 3, 64, torch.float32), (4, 4, 32, torch.bfloat16)])
+def test_extend_equals_causal_attention(case: str, backend: str, heads: int, kv_heads: int, dim: int, dtype) -> None:
+    torch.manual_seed(0)
+    segments = CASES[case]
+    fb, pool, table = _extend_batch(segments, heads, kv_heads, dim, dtype)
+    impl = _cpu_backend() if backend == "cpu" else TorchNativeAttnBackend()
+    impl.init_forward_metadata(fb)
+    t = sum(n for _, n in segments)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = (x.view(t, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    out = impl.forward(q, k, v, RadixAttention(heads, dim, dim**-0.5, kv_heads, 0), fb)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k) and torch.equal(pool.v_buffer[0][fb.out_cache_loc], v)
+    want = _reference(q, pool, table, segments, heads, kv_heads, dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
+def test_split_routes_by_segment_length() -> None:
+    segments = [(40, 1), (0, LONG), (7, 3), (2, KERNEL_EXTEND_MAX + 1)]
+    fb, _, _ = _extend_batch(segments, 2, 1, 8, torch.float32)
+    split = split_extend(fb)
+    assert split is not None and split.kernel_tokens is not None
+    # batch rows: 0 | 1 .. LONG | LONG+1 .. LONG+3 | the last long segment
+    assert split.kernel_tokens.tolist() == [0, LONG + 1, LONG + 2, LONG + 3]
+    assert split.kernel.rows.tolist() == [1, 3, 3, 3]
+    assert split.kernel.lens.tolist() == [41, 8, 9, 10]
+    assert split.sdpa.prefix_lens == [0, 2]
+    assert split.sdpa.bounds == [(1, 1 + LONG), (LONG + 4, LONG + 4 + KERNEL_EXTEND_MAX + 1)]
+    only_long, _, _ = _extend_batch([(0, LONG)], 2, 1, 8, torch.float32)
+    assert split_extend(only_long) is None
+    only_short, _, _ = _extend_batch([(3, 1), (0, 2)], 2, 1, 8, torch.float32)
+    s = split_extend(only_short)
+    assert s is not None and s.kernel_tokens is None and s.sdpa.bounds == []

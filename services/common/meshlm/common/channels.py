@@ -41,13 +41,14 @@ Sleep = Callable[[float], Awaitable[None]]
 
 class Backoff:
     """Exponential backoff with jitter, capped: `initial` s growing by `factor` to `cap` s (short,
-    so a peer that comes up is found well within a request's connect timeout); reset() after a
+    so a peer that comes up is found well within a request's connect timeout, and a system whose
+    services start at once is whole within ~0.5 s of its scheduler); reset() after a
     success. `rng` and `sleep` are injectable so tests see exact delays without waiting."""
 
     def __init__(
         self,
         initial: float = 0.05,
-        cap: float = 1.0,
+        cap: float = 0.5,
         factor: float = 2.0,
         jitter: float = 0.2,
         rng: random.Random | None = None,

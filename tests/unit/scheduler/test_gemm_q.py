@@ -1,20 +1,27 @@
 """The block GEMM (kernels/gemm_q.py): a dequantized GGUF weight re-laid into 16-column panels
 holds the same weights, and its product equals F.linear up to summation order for any row
 count (partial 6-row micro-panels, several 144-row tasks), any K that is a multiple of 32
-(a short last K block), any N (zero-padded panels); PackedLinear then keeps no oneDNN copy and
-dispatches by row count."""
+(a short last K block), any N (zero-padded panels); PackedLinear dispatches by row count
+(GEMV, block GEMM, oneDNN for prompt chunks)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from tests.unit.scheduler.test_gemv import gguf_weight
 
 from meshlm.scheduler.kernels.build import KernelUnavailable
-from meshlm.scheduler.kernels.gemm_q import GEMV_MAX_ROWS_BESIDE_GEMM, NR, GemmQOps, QPanelWeight, load_gemm_q_ops
+from meshlm.scheduler.kernels.gemm_q import (
+    GEMM_MAX_ROWS,
+    GEMV_MAX_ROWS_BESIDE_GEMM,
+    NR,
+    GemmQOps,
+    QPanelWeight,
+    load_gemm_q_ops,
+)
 from meshlm.scheduler.kernels.gemv import GemvOps, load_gemv_ops
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear
-from tests.unit.scheduler.test_gemv import gguf_weight
 
 QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 
@@ -30,10 +37,8 @@ def ops() -> tuple[GemvOps, GemmQOps]:
 def _unpanel(w: QPanelWeight) -> torch.Tensor:
     """The float32 [N, K] weight a QPanelWeight holds (reference layout arithmetic in torch)."""
     p, k = w.quants.shape[0], w.in_features
-    if w.format == "q4_1":
-        q = torch.cat([w.quants & 0x0F, w.quants >> 4], dim=2).float()  # [P, K, 16]: columns 0..7, 8..15
-    else:
-        q = w.quants.float()
+    # q4_1: [P, K, 8] nibbles -> [P, K, 16] (low nibbles columns 0..7, high 8..15)
+    q = torch.cat([w.quants & 0x0F, w.quants >> 4], dim=2).float() if w.format == "q4_1" else w.quants.float()
     d = w.scales.repeat_interleave(32, dim=1)  # [P, K, 16]
     full = q * d + (w.mins.repeat_interleave(32, dim=1) if w.mins is not None else 0)
     return full.transpose(1, 2).reshape(p * NR, k)[: w.out_features]
@@ -82,16 +87,16 @@ def test_packed_linear_holds_only_blocks_and_dispatches_by_rows(ops) -> None:
     w = gguf_weight(GGMLQuantizationType.Q4_1, 96, 128)
     b = torch.randn(96)
     lin = PackedLinear(w, b, gemv_ops=gemv)
-    assert lin.packed is None and lin.blocks is not None and lin.small is not None
+    assert lin.packed is not None and lin.blocks is not None and lin.small is not None
     assert lin.gemv_rows == GEMV_MAX_ROWS_BESIDE_GEMM
     assert lin.matches(w, b)
     calls: list[str] = []
     lin.gemv_ops = _Spy(gemv, "gemv", calls)
     lin.gemm_ops = _Spy(gemm, "gemm", calls)
-    for rows in (1, GEMV_MAX_ROWS_BESIDE_GEMM, GEMV_MAX_ROWS_BESIDE_GEMM + 1, 500):
+    for rows in (1, GEMV_MAX_ROWS_BESIDE_GEMM, GEMV_MAX_ROWS_BESIDE_GEMM + 1, GEMM_MAX_ROWS, GEMM_MAX_ROWS + 1):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    assert calls == ["gemv", "gemv", "gemm", "gemm"]
+    assert calls == ["gemv", "gemv", "gemm", "gemm"]  # the last batch went to oneDNN
     dense = PackedLinear(torch.randn(96, 128), None, gemv_ops=gemv)  # not blocks: oneDNN + dense GEMV
     assert dense.packed is not None and dense.blocks is None and dense.small is not None
 

@@ -1,4 +1,5 @@
-"""GEMM over GGUF-block weights (csrc/gemm_q.c through ctypes), for batches past the GEMV's rows.
+"""GEMM over GGUF-block weights (csrc/gemm_q.c through ctypes), for decode batches past the GEMV's
+rows (up to GEMM_MAX_ROWS; prompt chunks go to oneDNN).
 
 A decode batch of tens of rows is compute-bound, yet a float32 GEMM still streams 4 bytes a
 weight from memory every step; the weights of a dequantized GGUF checkpoint are exactly Q4_1 /
@@ -32,6 +33,10 @@ FORMATS = {"q4_1": 0, "q8_0": 1}
 # threads of an AVX2 EPYC: GEMM / GEMV time 1.40 at 4 rows, 1.31 at 8, 0.83 at 12, 0.66 at 16;
 # GEMM / oneDNN 0.68 at 17 rows, 0.78 at 32, 0.90 at 64, 0.82 at 128).
 GEMV_MAX_ROWS_BESIDE_GEMM = 8
+# Past this many rows (prompt chunks) oneDNN's float32 GEMM is faster again: the weight is read
+# once per many rows, so its bytes no longer matter, and oneDNN's blocking beats ours (same
+# benchmark: GEMM / oneDNN 0.77 at 64 rows, 1.04 at 512, 1.20 at 2048).
+GEMM_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,13 @@ F.linear on CPU hands every call to MKL's sgemm, which re-packs the weight panel
 at decode sizes (tens of rows against a few-MB weight) that packing is a large share of the
 work. Each linear's weight is therefore held in a ready layout:
 
-  * a GGUF checkpoint's Q4_1 / Q8_0 blocks (float32 weights that are exactly such blocks,
-    kernels/gemv.py finds them back): batches of up to `GemvWeight.max_rows` rows stream the
-    row-major blocks through the GEMV kernels; larger ones (decode batches and prompt chunks)
-    go through the block GEMM (kernels/gemm_q.py), which reads the blocks in 16-column panels.
-    No float32 copy is kept: 0.75 / 1.125 byte a weight for both.
-  * any other weight: oneDNN's blocked layout for this CPU (the layout inductor's CPU weight
-    prepacking uses; an opaque oneDNN tensor), plus in float32 a dense copy streamed by the
-    GEMV for batches of up to 4 rows.
+  * oneDNN's blocked layout for this CPU (the layout inductor's CPU weight prepacking uses; an
+    opaque oneDNN tensor), for prompt chunks and whatever the kernels below do not take;
+  * in float32, for decode batches, the smallest exact small format (kernels/gemv.py): a GGUF
+    checkpoint's Q4_1 / Q8_0 blocks (float32 weights that are exactly such blocks, found back),
+    else a dense copy. Batches of a few rows stream it through the GEMV kernels; for blocks,
+    batches up to GEMM_MAX_ROWS go through the block GEMM (kernels/gemm_q.py), which reads them
+    in 16-column panels (0.75 / 1.125 byte a weight where oneDNN streams 4).
 
 Results equal F.linear up to summation order (the blocks reproduce the weights bit for bit).
 """
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
-from meshlm.scheduler.kernels.gemm_q import GEMV_MAX_ROWS_BESIDE_GEMM, QPanelWeight, gemm_q_ops_or_none
+from meshlm.scheduler.kernels.gemm_q import GEMM_MAX_ROWS, GEMV_MAX_ROWS_BESIDE_GEMM, QPanelWeight, gemm_q_ops_or_none
 from meshlm.scheduler.kernels.gemv import MAX_ROWS
 
 if TYPE_CHECKING:
@@ -64,8 +63,8 @@ class PackedLinear:
     kernels: there the product is bound by reading W once, and the library GEMVs reach about
     half of the memory bandwidth two threads get (measured on an AVX2 EPYC: 9-13 vs 17-18 GB/s).
     W is held for them in the smallest exact format (`small`). When that format is GGUF blocks
-    and the block GEMM runs here, larger batches use it (`blocks`) and oneDNN holds nothing
-    (`packed` is None); otherwise they go through oneDNN's prepacked weight.
+    and the block GEMM runs here, batches up to GEMM_MAX_ROWS use it (`blocks`, 16-column
+    panels); larger ones, and every batch of any other weight, oneDNN's prepacked weight.
     """
 
     def __init__(
@@ -85,13 +84,11 @@ class PackedLinear:
         self.small: GemvWeight | None = gemv_ops.build(weight) if use_gemv and gemv_ops is not None else None
         self.gemm_ops = gemm_q_ops_or_none() if self.small is not None and self.small.format in BLOCK_FORMATS else None
         self.blocks: QPanelWeight | None = None
-        self.packed: torch.Tensor | None = None
         self.gemv_rows = self.small.max_rows if self.small is not None else 0
         if self.gemm_ops is not None and self.small is not None:
             self.blocks = QPanelWeight.from_gemv(self.small)
             self.gemv_rows = min(self.gemv_rows, GEMV_MAX_ROWS_BESIDE_GEMM)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -101,12 +98,8 @@ class PackedLinear:
             rows = x if x.stride(1) == 1 else x.contiguous()
             if x.shape[0] <= self.gemv_rows:
                 return self.gemv_ops.gemv(rows, self.small, self.bias)
-            if self.gemm_ops is not None and self.blocks is not None:
+            if self.gemm_ops is not None and self.blocks is not None and x.shape[0] <= GEMM_MAX_ROWS:
                 return self.gemm_ops.gemm(rows, self.blocks, self.bias)
-        if self.packed is None:  # only the block kernels hold W (float32 rows only)
-            raise ValueError(
-                f"this linear's weight is held as {self.blocks and self.blocks.format} blocks: x must be float32"
-            )
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
     def matches(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

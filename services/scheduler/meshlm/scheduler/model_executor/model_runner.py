@@ -147,9 +147,9 @@ class ModelRunner:
     def prepack_linears(self, gemv_ops: GemvOps | None = None) -> None:
         """Every linear layer's weight (and the LM head) into the layouts its kernels read
         (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
-        (float32), a weight that is exactly GGUF blocks is held only as blocks (GEMV for a few
-        rows, the block GEMM above); any other weight in oneDNN's blocked layout, plus a dense
-        copy streamed by the GEMV for batches of <= 4 rows."""
+        (float32), decode batches take our kernels: a weight that is exactly GGUF blocks as those
+        blocks (GEMV for a few rows, the block GEMM up to 256), any other a dense copy streamed
+        by the GEMV for batches of <= 4 rows."""
         if not prepack_supported():
             logger.warning("oneDNN is not available in this torch build; linears use F.linear")
             return
@@ -169,7 +169,7 @@ class ModelRunner:
             1 << 20
         )
         logger.info(
-            "prepacked %d linear weights in %.2fs: %d as GGUF blocks only (GEMV + block GEMM), %d for oneDNN; "
+            "prepacked %d linear weights in %.2fs: %d also as GGUF blocks (GEMV + block GEMM), %d for oneDNN; "
             "small-batch GEMV weights: %s (%.0f MiB with the GEMM panels)",
             len(packed),
             time.perf_counter() - t0,

@@ -16,7 +16,7 @@
  * dequantization is amortized over the M rows; the weight crosses memory in its small format.
  *
  * Work: tasks are (block of MC rows, group of panels), split among threads; within a task, for
- * each panel and K block: dequantize, then run the micro-kernel over the block's micro-panels.
+ * each K block and panel: dequantize, then run the micro-kernel over the block's micro-panels.
  * The first K block stores (adding the bias), later ones accumulate into y. Results equal the
  * float32 product up to summation order.
  */
@@ -31,7 +31,7 @@
 #define MR 6       /* rows of x per micro-kernel */
 #define NR 16      /* output columns per panel */
 #define KC_MAX 256 /* dequantized block: KC x NR x 4 = 16 KiB, beside a 6 KiB x micro-panel in L1 */
-#define MC 144     /* rows per task: MC x K x 4 bytes of packed x, reused from L2 for each panel */
+#define MC 144     /* rows per task: their packed x of one K block is reused from L2 by each panel */
 
 enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
 
@@ -185,12 +185,14 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
             const int64_t i0 = (t / groups) * MC;
             const int64_t rows = M - i0 < MC ? M - i0 : MC;
             const int64_t g = t % groups;
-            for (int64_t p = g * panels / groups; p < (g + 1) * panels / groups; p++) {
-                const int cols = (int)(N - p * NR < NR ? N - p * NR : NR);
-                const float *bias_p = bias != NULL ? bias + p * NR : NULL;
-                for (int64_t kb = 0; kb < k_blocks; kb++) {
-                    const int64_t k0 = kb * kc_step;
-                    const int kc = (int)(K - k0 < kc_step ? K - k0 : kc_step);
+            /* K blocks outermost: the task's rows of x in this K block (MC x KC x 4 = 144 KiB)
+             * stay in L2 while every panel of the group passes. */
+            for (int64_t kb = 0; kb < k_blocks; kb++) {
+                const int64_t k0 = kb * kc_step;
+                const int kc = (int)(K - k0 < kc_step ? K - k0 : kc_step);
+                for (int64_t p = g * panels / groups; p < (g + 1) * panels / groups; p++) {
+                    const int cols = (int)(N - p * NR < NR ? N - p * NR : NR);
+                    const float *bias_p = bias != NULL ? bias + p * NR : NULL;
                     dequant_panel(fmt, q, d, m, K, p, k0, kc, buf);
                     for (int64_t r0 = 0; r0 < rows; r0 += MR)
                         micro_kernel(kc, xp + ((i0 + r0) / MR) * K * MR + k0 * MR, buf, y + (i0 + r0) * N + p * NR,

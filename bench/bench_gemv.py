@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""The small-batch GEMV kernels (kernels/gemv.py) against oneDNN's prepacked GEMM (the path larger
-batches take), over every linear weight of a model's layers streamed from memory, per row count.
+"""The small-batch GEMV kernels (kernels/gemv.py) and the block GEMM (kernels/gemm_q.py) against
+oneDNN's prepacked float32 GEMM, over every linear weight of a model's layers streamed from
+memory, per row count.
 
-    python bench/bench_gemv.py                          # default SmolLM2 (GGUF Q4_1), rows 1,2,4,8,12,16
+    python bench/bench_gemv.py                          # default SmolLM2 (GGUF Q4_1)
     python bench/bench_gemv.py --rows 1,4,8 --formats q4_1,f32
 
 For each row count it times one pass over all the layer weights (424 MB as float32 for SmolLM2,
-far beyond the caches, as in a decode step) through each GEMV format and through oneDNN,
-interleaved, and prints the medians and the ratios GEMV / oneDNN (below 1: the GEMV wins; the
-crossover is where kernels/gemv.py's MAX_ROWS should sit).
+far beyond the caches, as in a decode step) through each GEMV format (rows <= 16), through the
+block GEMM (when the weights are GGUF blocks) and through oneDNN, interleaved, and prints the
+medians and the ratios to oneDNN (below 1: faster than oneDNN). The crossovers are where
+kernels/gemv.py's MAX_ROWS and kernels/gemm_q.py's GEMV_MAX_ROWS_BESIDE_GEMM should sit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import torch
 from safetensors import safe_open
 
+from meshlm.scheduler.kernels.gemm_q import QPanelWeight, load_gemm_q_ops
 from meshlm.scheduler.kernels.gemv import FORMATS, GEMV_MAX_ROWS, load_gemv_ops
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear
 from meshlm.scheduler.model_loader import resolve_model_path
@@ -27,7 +30,9 @@ from meshlm.scheduler.model_loader import resolve_model_path
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,2,4,8,12,16", help=f"row counts, each <= {GEMV_MAX_ROWS}")
+    ap.add_argument(
+        "--rows", default="1,4,8,12,16,32,64,128,512", help=f"row counts (GEMVs only up to {GEMV_MAX_ROWS})"
+    )
     ap.add_argument("--formats", default=",".join(FORMATS), help="GEMV formats to time (those the weights allow)")
     ap.add_argument("--repeats", type=int, default=5, help="timed passes per path and row count (default 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -50,19 +55,30 @@ def main() -> None:
             gemvs[fmt] = built
         else:
             print(f"{fmt}: not every weight is exactly representable; skipped")
+    gemm = load_gemm_q_ops()
+    blocks = [QPanelWeight.from_gemv(g) for g in gemvs["q4_1"]] if "q4_1" in gemvs else []
     mb = sum(w.numel() for w in weights) * 4 / 1e6
     print(f"threads={torch.get_num_threads()}, {len(weights)} layer weights of {path.name} ({mb:.0f} MB float32)")
-    print(f"{'rows':>4s} {'oneDNN ms':>10s}" + "".join(f" {f + ' ms':>9s} {f + '/oneDNN':>12s}" for f in gemvs))
+    paths = [*gemvs, *(["blocks"] if blocks else [])]
+    print(f"{'rows':>4s} {'oneDNN ms':>10s}" + "".join(f" {f + ' ms':>9s} {f + '/oneDNN':>12s}" for f in paths))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-        times: dict[str, list[float]] = {"onednn": [], **{f: [] for f in gemvs}}
+        here = [f for f in paths if f == "blocks" or rows <= GEMV_MAX_ROWS]
+        times: dict[str, list[float]] = {"onednn": [], **{f: [] for f in here}}
         with torch.inference_mode():
             for _ in range(args.repeats + 1):  # the first pass warms up and is dropped
                 t0 = time.perf_counter()
                 for p in onednn:
                     p(xs[p.in_features])
                 times["onednn"].append(time.perf_counter() - t0)
+                if "blocks" in here:
+                    t0 = time.perf_counter()
+                    for b in blocks:
+                        gemm.gemm(xs[b.in_features], b, None)
+                    times["blocks"].append(time.perf_counter() - t0)
                 for fmt, built in gemvs.items():
+                    if fmt not in here:
+                        continue
                     t0 = time.perf_counter()
                     for g in built:
                         ops.gemv(xs[g.in_features], g, None)
@@ -70,7 +86,10 @@ def main() -> None:
         med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
         print(
             f"{rows:4d} {med['onednn']:10.1f}"
-            + "".join(f" {med[f]:9.1f} {med[f] / med['onednn']:12.2f}" for f in gemvs),
+            + "".join(
+                f" {med[f]:9.1f} {med[f] / med['onednn']:12.2f}" if f in med else f" {'-':>9s} {'-':>12s}"
+                for f in paths
+            ),
             flush=True,
         )
 

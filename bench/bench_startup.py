@@ -48,7 +48,7 @@ PHASES = (
     ("imports", re.compile(r"interpreter and imports took ([\d.]+)s")),
     ("facts", re.compile(r"model facts \(config, tokenizer\) of .* in ([\d.]+)s")),
     ("weights", re.compile(r"model_runner: loaded .* in ([\d.]+)s")),
-    ("prepack", re.compile(r"prepacked \d+ linear weights for oneDNN in ([\d.]+)s")),
+    ("prepack", re.compile(r"prepacked \d+ linear weights (?:for oneDNN )?in ([\d.]+)s")),
     ("kv_pool", re.compile(r"KV pool: .* in ([\d.]+)s")),
     ("sched_ready", re.compile(r"ready in ([\d.]+)s after the process started")),
 )

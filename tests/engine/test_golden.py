@@ -84,7 +84,8 @@ def test_small_pool_forces_retraction(smollm_path: str, golden, chunk: int) -> N
 
 def test_default_model_decodes_small_batches_from_its_gguf_blocks(engine: Engine) -> None:
     """SmolLM2 ships as GGUF Q4_1 with a Q8_0 embedding (the tied LM head): on CPU every linear
-    streams those blocks at batch 1..4 (the golden tests above ran through them)."""
+    is held as those blocks too (GEMV for a few rows, the block GEMM for decode batches up to
+    256), so the golden tests above ran through them."""
     from meshlm.scheduler.layers.cpu_gemm import prepack_supported
     from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -97,3 +98,6 @@ def test_default_model_decodes_small_batches_from_its_gguf_blocks(engine: Engine
     assert len(linears) == 4 * runner.model_config.num_hidden_layers
     assert formats == {"q4_1"}
     assert head is not None and head.small is not None and head.small.format == "q8_0"
+    if head.gemm_ops is not None:  # AVX2 + FMA
+        assert all(m.packed.blocks is not None for m in linears if m.packed is not None)
+        assert head.blocks is not None

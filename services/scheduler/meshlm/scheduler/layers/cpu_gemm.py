@@ -1,12 +1,18 @@
-"""Linear layers on CPU through oneDNN with weights reordered once (prepacked).
+"""Linear layers on CPU: weights laid out once at start-up for the kernel that multiplies them.
 
 F.linear on CPU hands every call to MKL's sgemm, which re-packs the weight panel for each call;
 at decode sizes (tens of rows against a few-MB weight) that packing is a large share of the
-work. oneDNN's matmul with the weight reordered at start-up into its blocked layout for this CPU
-(the layout inductor's CPU weight prepacking uses) skips it. The packed weight is an opaque
-oneDNN tensor; results equal F.linear up to summation order. In float32, with the small-batch
-GEMV kernels, decode batches of a few rows stream the weight in the smallest format
-that holds it exactly instead (kernels/gemv.py: the GGUF's Q4_1 / Q8_0 blocks, else a dense copy).
+work. Each linear's weight is therefore held in a ready layout:
+
+  * oneDNN's blocked layout for this CPU (the layout inductor's CPU weight prepacking uses; an
+    opaque oneDNN tensor), for prompt chunks and whatever the kernels below do not take;
+  * in float32, for decode batches, the smallest exact small format (kernels/gemv.py): a GGUF
+    checkpoint's Q4_1 / Q8_0 blocks (float32 weights that are exactly such blocks, found back),
+    else a dense copy. Batches of a few rows stream it through the GEMV kernels; for blocks,
+    batches up to GEMM_MAX_ROWS go through the block GEMM (kernels/gemm_q.py), which reads them
+    in 16-column panels (0.75 / 1.125 byte a weight where oneDNN streams 4).
+
+Results equal F.linear up to summation order (the blocks reproduce the weights bit for bit).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
+from meshlm.scheduler.kernels.gemm_q import GEMM_MAX_ROWS, GEMV_MAX_ROWS_BESIDE_GEMM, QPanelWeight, gemm_q_ops_or_none
 from meshlm.scheduler.kernels.gemv import MAX_ROWS
 
 if TYPE_CHECKING:
@@ -49,13 +57,14 @@ def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: GemvOps 
 
 
 class PackedLinear:
-    """y = x W^T (+ b) for x [T, in] with W [out, in] held in oneDNN's blocked layout.
+    """y = x W^T (+ b) for x [T, in] with W [out, in] held in the layouts its kernels read.
 
-    With `gemv_ops` (float32), batches of at most `small.max_rows` rows stream W through our GEMV
-    kernels instead: there the product is bound by reading W once, and the library GEMVs reach
-    about half of the memory bandwidth two threads get (measured on an AVX2 EPYC: 9-13 vs 17-18
-    GB/s). W is then held a second time, in the smallest exact format (`small`): a dequantized
-    GGUF's Q4_1 blocks take 0.75 byte a weight, any other weight a dense float32 copy.
+    With `gemv_ops` (float32), batches of at most `gemv_rows` rows stream W through our GEMV
+    kernels: there the product is bound by reading W once, and the library GEMVs reach about
+    half of the memory bandwidth two threads get (measured on an AVX2 EPYC: 9-13 vs 17-18 GB/s).
+    W is held for them in the smallest exact format (`small`). When that format is GGUF blocks
+    and the block GEMM runs here, batches up to GEMM_MAX_ROWS use it (`blocks`, 16-column
+    panels); larger ones, and every batch of any other weight, oneDNN's prepacked weight.
     """
 
     def __init__(
@@ -69,23 +78,28 @@ class PackedLinear:
             raise ValueError(f"PackedLinear needs a 2-D CPU weight of {PACK_DTYPES}")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
         self.bias = None if bias is None else bias.detach().contiguous()
         use_gemv = gemv_ops is not None and weight.dtype == torch.float32
         self.gemv_ops = gemv_ops if use_gemv else None
         self.small: GemvWeight | None = gemv_ops.build(weight) if use_gemv and gemv_ops is not None else None
+        self.gemm_ops = gemm_q_ops_or_none() if self.small is not None and self.small.format in BLOCK_FORMATS else None
+        self.blocks: QPanelWeight | None = None
+        self.gemv_rows = self.small.max_rows if self.small is not None else 0
+        if self.gemm_ops is not None and self.small is not None:
+            self.blocks = QPanelWeight.from_gemv(self.small)
+            self.gemv_rows = min(self.gemv_rows, GEMV_MAX_ROWS_BESIDE_GEMM)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             lead = x.shape[:-1]
             return self(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
-        if (
-            self.gemv_ops is not None
-            and self.small is not None
-            and 0 < x.shape[0] <= self.small.max_rows
-            and x.dtype == torch.float32
-        ):
-            return self.gemv_ops.gemv(x if x.stride(1) == 1 else x.contiguous(), self.small, self.bias)
+        if self.gemv_ops is not None and self.small is not None and x.dtype == torch.float32 and x.shape[0] > 0:
+            rows = x if x.stride(1) == 1 else x.contiguous()
+            if x.shape[0] <= self.gemv_rows:
+                return self.gemv_ops.gemv(rows, self.small, self.bias)
+            if self.gemm_ops is not None and self.blocks is not None and x.shape[0] <= GEMM_MAX_ROWS:
+                return self.gemm_ops.gemm(rows, self.blocks, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
     def matches(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -94,8 +108,8 @@ class PackedLinear:
         for sampling, is left untouched."""
         gen = torch.Generator().manual_seed(0)
         tol = 1e-3 if self.dtype == torch.float32 else 5e-2
-        small = self.small.max_rows if self.small is not None else MAX_ROWS["f32"]
-        for rows in (small - 1, 2 * small + 1):  # both paths when gemv is on
+        small = self.gemv_rows if self.small is not None else MAX_ROWS["f32"]
+        for rows in (small - 1, 2 * small + 1, 64 + 5):  # every path; partial micro-panels
             x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
             want = torch.nn.functional.linear(x, weight, bias).float()
             got = self(x).float()

@@ -146,10 +146,11 @@ class ModelRunner:
         logger.info("fused CPU ops (RMSNorm + residual, RoPE, SiLU*mul) in %d modules", n)
 
     def prepack_linears(self, gemv_ops: GemvOps | None = None) -> None:
-        """Every linear layer's weight (and the LM head) into oneDNN's blocked layout
+        """Every linear layer's weight (and the LM head) into the layouts its kernels read
         (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
-        (float32), batches of <= 4 rows stream a second copy of each weight, in the smallest
-        format that holds it exactly, through our GEMV kernels (kernels/gemv.py)."""
+        (float32), decode batches take our kernels: a weight that is exactly GGUF blocks as those
+        blocks (GEMV for a few rows, the block GEMM up to 256), any other a dense copy streamed
+        by the GEMV for batches of <= 4 rows."""
         if not prepack_supported():
             logger.warning("oneDNN is not available in this torch build; linears use F.linear")
             return
@@ -167,11 +168,16 @@ class ModelRunner:
             assert logits.packed_head is not None
             packed.append(logits.packed_head)
         formats = Counter(p.small.format for p in packed if p.small is not None)
-        small_mib = sum(p.small.nbytes() for p in packed if p.small is not None) / (1 << 20)
+        small_mib = sum(p.small.nbytes() + (p.blocks.nbytes() if p.blocks else 0) for p in packed if p.small) / (
+            1 << 20
+        )
         logger.info(
-            "prepacked %d linear weights for oneDNN in %.2fs; small-batch GEMV weights: %s (%.0f MiB)",
+            "prepacked %d linear weights in %.2fs: %d also as GGUF blocks (GEMV + block GEMM), %d for oneDNN; "
+            "small-batch GEMV weights: %s (%.0f MiB with the GEMM panels)",
             len(packed),
             time.perf_counter() - t0,
+            sum(p.blocks is not None for p in packed),
+            sum(p.packed is not None for p in packed),
             ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none",
             small_mib,
         )

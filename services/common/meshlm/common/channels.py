@@ -32,9 +32,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Fail fast and retry ourselves (Backoff below) rather than gRPC's long reconnect waits.
+    # Fail fast and retry ourselves (Backoff below) rather than gRPC's long reconnect waits;
+    # gRPC's own waits (a dial can meet a subchannel still backing off) no longer than ours.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 500),
 )
 Sleep = Callable[[float], Awaitable[None]]
 

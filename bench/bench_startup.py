@@ -133,7 +133,7 @@ def one_run(engine_args: list[str], env: dict[str, str], timeout_s: float) -> di
                 out[label] = float(m.group(1))
                 break
     out["ready"] = {m.group(1): float(m.group(2)) for m in (READY.search(line) for line in text) if m}
-    out["cold_notes"] = [line for line in text if COLD_NOTES.search(line)]
+    out["cold_notes"] = [line for line in text if COLD_NOTES.search(line) and "it/s]" not in line]  # no tqdm bars
     out["log"] = [f"{t:8.3f} {line}" for t, line in lines]
     return out
 

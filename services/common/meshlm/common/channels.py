@@ -32,22 +32,24 @@ MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Fail fast and retry ourselves (Backoff below) rather than gRPC's long reconnect waits.
+    # Fail fast and retry ourselves (Backoff below) rather than gRPC's long reconnect waits;
+    # gRPC's own waits (a dial can meet a subchannel still backing off) no longer than ours.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 500),
 )
 Sleep = Callable[[float], Awaitable[None]]
 
 
 class Backoff:
     """Exponential backoff with jitter, capped: `initial` s growing by `factor` to `cap` s (short,
-    so a peer that comes up is found well within a request's connect timeout); reset() after a
+    so a peer that comes up is found well within a request's connect timeout, and a system whose
+    services start at once is whole within ~0.5 s of its scheduler); reset() after a
     success. `rng` and `sleep` are injectable so tests see exact delays without waiting."""
 
     def __init__(
         self,
         initial: float = 0.05,
-        cap: float = 1.0,
+        cap: float = 0.5,
         factor: float = 2.0,
         jitter: float = 0.2,
         rng: random.Random | None = None,

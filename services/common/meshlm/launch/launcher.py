@@ -1,10 +1,14 @@
 """Start the four services as separate processes on loopback (`meshlm launch`).
 
-Order: detokenizers, schedulers (they push to the detokenizers), tokenizers (they connect to
-schedulers and subscribe to detokenizers), then the gateway. Each process is a plain
-`python -m meshlm.<component>` with flags, exactly what a container would run. The launcher
-waits until every gRPC service reports SERVING and the gateway answers /health, then
-supervises: Ctrl-C / SIGTERM stops all of them (SIGTERM, grace period, then SIGKILL).
+Every process starts at once (detokenizers, schedulers, tokenizers, gateway, in that order
+of Popen): each client among them dials its peers with backoff (common/peer_stream.py), so
+nobody needs the others up first, and the slow scheduler start-up (model load) overlaps the
+others'. Each process is a plain `python -m meshlm.<component>` with flags, exactly what a
+container would run. The launcher waits until every gRPC service reports SERVING and the
+gateway answers /health (all of them polled together, each one's ready time logged), then
+supervises: Ctrl-C / SIGTERM stops all of them (SIGTERM, grace period, then SIGKILL). Each
+child's output is copied to the launcher's stderr through an OutputTail (output_tail.py); a
+child that exits during start-up is named in the error with the end of its own output.
 With a TlsConfig every process gets the same --tls-* flags (the gRPC links use TLS, mTLS with a
 CA) and the launcher's own health checks use them too; the certificate must name the host the
 services are dialed by (an IP SAN for 127.0.0.1).
@@ -38,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common.tls import FLAGS as TLS_FLAGS
 from meshlm.common.tls import PLAINTEXT, TlsConfig, sync_channel
+from meshlm.launch.output_tail import OutputTail
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +95,7 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict, repr=False)  # the secrets, as variables
+    output: OutputTail | None = field(default=None, repr=False)  # set when launch() pipes its output
 
 
 @dataclass
@@ -250,42 +256,81 @@ def _http_ok(url: str, timeout: float) -> bool:
         return False
 
 
+_READY_STAGE = {"detokenizer": 0, "scheduler": 0, "tokenizer": 1, "gateway": 2}
+
+
+def _is_ready(child: Child, tls: TlsConfig) -> bool:
+    if child.component == "gateway":
+        return _http_ok(f"http://{child.address}/health", 1.0)
+    return _grpc_serving(child.address, 1.0, tls)
+
+
+def _start_failure(child: Child, what: str) -> RuntimeError:
+    """The error for a child that failed to start: its name, `what`, its last output lines."""
+    message = f"{child.name} {what}"
+    if child.output is not None and child.proc is not None and child.output.pid == child.proc.pid:
+        if child.proc.poll() is not None:
+            child.output.join(2.0)  # what it wrote before exiting
+        tail = child.output.text()
+        if tail:
+            message += f"; the end of its output:\n{tail}"
+    return RuntimeError(message)
+
+
 def wait_ready(child: Child, timeout_s: float, tls: TlsConfig = PLAINTEXT) -> None:
     """Block until the child serves (gRPC health SERVING, over TLS when `tls` is enabled /
     HTTP /health 200) or fail."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert child.proc is not None
-        if child.proc.poll() is not None:
-            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start-up")
-        ok = (
-            _http_ok(f"http://{child.address}/health", 1.0)
-            if child.component == "gateway"
-            else _grpc_serving(child.address, 1.0, tls)
-        )
-        if ok:
+    wait_all_ready([child], timeout_s, tls)
+
+
+def wait_all_ready(children: Sequence[Child], timeout_s: float, tls: TlsConfig = PLAINTEXT) -> None:
+    """Block until every child serves (as wait_ready), polling all of them each round; raise
+    RuntimeError naming the first child that exits meanwhile (with the end of its output when
+    it is piped), TimeoutError naming those not ready within timeout_s."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    pending = list(children)
+    while pending:
+        for child in pending:
+            assert child.proc is not None
+            if child.proc.poll() is not None:
+                raise _start_failure(child, f"exited with code {child.proc.returncode} during start-up")
+        # A tokenizer serves once a scheduler and a detokenizer do, the gateway's /health once a
+        # tokenizer does: asking them earlier would only take CPU from the start-ups.
+        stage = min(_READY_STAGE[c.component] for c in pending)
+        for child in [c for c in pending if _READY_STAGE[c.component] == stage]:
+            if _is_ready(child, tls):
+                pending.remove(child)
+                logger.info("%s ready after %.1fs", child.name, time.monotonic() - t0)
+        if not pending:
             return
+        if all(_READY_STAGE[c.component] > stage for c in pending):
+            continue  # a stage just finished: ask the next one at once
+        if time.monotonic() >= deadline:
+            names = ", ".join(c.name for c in pending)
+            raise TimeoutError(f"{names} {'was' if len(pending) == 1 else 'were'} not ready within {timeout_s:.0f}s")
         time.sleep(0.2)
-    raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
 
 
 def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> System:
-    """Start every process and wait until all are ready; on failure stop what started. The
-    system's plan holds the internal token it used (made here when the plan has a key only)."""
+    """Start every process at once and wait until all are ready; on failure stop what started.
+    The system's plan holds the internal token it used (made here when the plan has a key only)."""
     plan = plan.with_internal_token()
     system = System(plan)
     proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    t0 = time.monotonic()
     try:
         children = plan_children(plan)
-        for component in ("detokenizer", "scheduler", "tokenizer", "gateway"):
-            batch = [c for c in children if c.component == component]
-            for c in batch:
-                logger.info("starting %s: %s", c.name, " ".join(c.argv))
-                c.proc = subprocess.Popen(c.argv, env=child_env(proc_env, c))
-                system.children.append(c)
-            for c in batch:
-                wait_ready(c, ready_timeout_s, plan.tls)
+        for c in children:
+            logger.info("starting %s: %s", c.name, " ".join(c.argv))
+            c.proc = subprocess.Popen(
+                c.argv, env=child_env(proc_env, c), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+            c.output = OutputTail.start(c.name, c.proc.stdout, c.proc.pid)
+            system.children.append(c)
+        wait_all_ready(children, ready_timeout_s, plan.tls)
     except BaseException:
         system.stop(grace_s=5.0)
         raise
+    logger.info("all %d services ready in %.1fs", len(children), time.monotonic() - t0)
     return system

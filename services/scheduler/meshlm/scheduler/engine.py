@@ -39,6 +39,7 @@ from meshlm.scheduler.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from meshlm.scheduler.model_loader.tokenizer import hf_tokenizer
 from meshlm.scheduler.runtime import SchedulerRuntime
 from meshlm.scheduler.sampling.sampling_params import SamplingParams
 
@@ -93,7 +94,7 @@ class Engine:
         self._crashed: str | None = None  # set (under _lock) once the loop died
         self.runtime = SchedulerRuntime(config, self._on_output, self._on_control)
         self.model_config = self.runtime.model_config
-        self.tokenizer = self.runtime.tokenizer
+        self.tokenizer = hf_tokenizer(self.runtime.tokenizer)  # chat templates, decode options
         self.config = self.runtime.config
         self.port = self.runtime.port
         self.scheduler = self.runtime.scheduler

@@ -1,8 +1,8 @@
 """SchedulerRuntime: the scheduler loop and what it needs, started the same way by the
 in-process Engine and by the gRPC scheduler service.
 
-It resolves the model, reads its config, loads the tokenizer, builds the SchedulerPort (queue
-in, the caller's callbacks out) and the Scheduler (which loads the weights), and runs
+It resolves the model, reads its config, loads the tokenizer (both without transformers),
+builds the SchedulerPort (queue in, the caller's callbacks out) and the Scheduler (which loads the weights), and runs
 `event_loop_normal` in a daemon thread. A loop crash is logged and reported to `on_crash`.
 
 With --tp-size N > 1 this process is rank 0 of the tensor-parallel group: it checks that the
@@ -18,6 +18,7 @@ import functools
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from meshlm.scheduler.managers.scheduler import Scheduler
 from meshlm.scheduler.model_config import ModelConfig
 from meshlm.scheduler.model_executor.model_runner import resolve_device
 from meshlm.scheduler.model_loader import resolve_model_path
+from meshlm.scheduler.model_loader.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +41,15 @@ CrashCallback = Callable[[BaseException], None]
 
 def load_model_facts(config: SchedulerConfig) -> tuple[SchedulerConfig, ModelConfig, Any]:
     """(config with the resolved model path, the model's ModelConfig, its tokenizer); raises
-    ValueError naming tp_size when the model cannot be sharded tp_size ways."""
+    ValueError naming tp_size when the model cannot be sharded tp_size ways. Reads JSON files
+    only (config.json with plain json, the tokenizer with `tokenizers`): no transformers import
+    (model_loader/tokenizer.py)."""
+    t0 = time.perf_counter()
     path = resolve_model_path(config.model_path)
     model_config = ModelConfig.from_path(path, config.context_length)
     model_config.verify_tp_size(config.tp_size)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer_path or path))
+    tokenizer = load_tokenizer(config.tokenizer_path or path)
+    logger.info("model facts (config, tokenizer) of %s in %.2fs", path, time.perf_counter() - t0)
     return config.replace(model_path=str(path)), model_config, tokenizer
 
 

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
+from meshlm.scheduler.kernels.gemv_cache import CachedBlocks, GemvBlockCache
+from meshlm.scheduler.model_loader import default_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +67,12 @@ class GemvWeight:
 
 
 class GemvOps:
-    """ctypes bindings; every method checks shapes before handing pointers to C."""
+    """ctypes bindings; every method checks shapes before handing pointers to C. With a
+    GemvBlockCache (kernels/gemv_cache.py) `build` reuses the blocks an earlier process
+    recovered from the same weight bytes."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, cache: GemvBlockCache | None = None) -> None:
+        self.cache = cache
         i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._f32 = lib.meshlm_gemv_f32
         self._f32.argtypes = [p, i64, p, p, p, c_int, i64, c_int, c_int]
@@ -86,6 +93,30 @@ class GemvOps:
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError("GemvWeight needs a 2-D float32 CPU weight")
         w = weight.detach().contiguous()
+        n, k = w.shape
+        quantized = tuple(f for f in formats if f != "f32")
+        if self.cache is None or k % BLOCK or not self._first_row_fits(w, quantized):
+            return self._build(w, formats)  # (a first row no format holds: nothing to cache)
+        key = self.cache.key(w, formats)
+        hit = self.cache.load(key, n, k)
+        if hit is not None and hit.format in formats:
+            self.cache.stats.hits += 1
+            if hit.format == "f32":  # recovery failed before: the dense copy
+                return GemvWeight("f32", n, k, w)
+            assert hit.quants is not None
+            return GemvWeight(hit.format, n, k, hit.quants, hit.scales, hit.mins)
+        t0 = time.perf_counter()
+        got = self._build(w, formats)
+        self.cache.stats.recover_s += time.perf_counter() - t0
+        dense = got.format == "f32"
+        self.cache.store(key, n, k, CachedBlocks(got.format, got.scales, got.mins, None if dense else got.quants))
+        return got
+
+    def _first_row_fits(self, w: torch.Tensor, formats: tuple[str, ...]) -> bool:
+        """Whether some quantized format holds row 0 (the whole weight cannot otherwise)."""
+        return any(self._recover(w[:1], fmt) is not None for fmt in formats)
+
+    def _build(self, w: torch.Tensor, formats: tuple[str, ...]) -> GemvWeight:
         n, k = w.shape
         quantizable = k % BLOCK == 0 and bool(torch.isfinite(w).all())
         for fmt in formats:
@@ -178,8 +209,10 @@ class GemvOps:
 
 @functools.lru_cache(maxsize=1)
 def load_gemv_ops() -> GemvOps:
-    """The GEMV kernels for this machine, built on first use; raises KernelUnavailable."""
-    return GemvOps(load_library(SOURCE))
+    """The GEMV kernels for this machine, built on first use, with the block cache in the meshlm
+    cache folder (`<cache>/gemv`); raises KernelUnavailable."""
+    source_id = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return GemvOps(load_library(SOURCE), GemvBlockCache(default_cache_root() / "gemv", source_id))
 
 
 def gemv_ops_or_none() -> GemvOps | None:

@@ -39,6 +39,7 @@ from meshlm.scheduler.managers.scheduler_stats import SchedulerStats
 from meshlm.scheduler.managers.session_controller import SessionController
 from meshlm.scheduler.managers.tokenizer_protocol import Tokenizer
 from meshlm.scheduler.model_config import ModelConfig
+from meshlm.scheduler.model_loader.tokenizer import hf_tokenizer
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,6 @@ def grammar_pool(
     def make_backend() -> BaseGrammarBackend:
         if tokenizer is None:
             raise RuntimeError("structured output needs the model's tokenizer")
-        return create_grammar_backend(name, tokenizer, vocab, eos, whitespace)
+        return create_grammar_backend(name, hf_tokenizer(tokenizer), vocab, eos, whitespace)
 
     return GrammarCompilePool(make_backend, threads=2, cache_size=1024, on_done=port.wake if port else None)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.scheduler.mem_cache.zeroed_memory import Populator, can_populate_later, zeroed
+
 Device = str | torch.device
 
 # Float8 types are stored as raw bytes: index_put is not implemented for them on every backend.
@@ -102,12 +104,18 @@ class MHATokenToKVPool:
         self.layer_num = layer_num
         self.device = torch.device(device)
         shape = (size + page_size, head_num, head_dim)
+        # Zero-filled: a padded entry reads the padding page, and SDPA's masked keys still
+        # enter its products (0 * NaN), so no slot may hold garbage. On CPU the buffers are
+        # anonymous mappings (zeros from the kernel) made resident by a background thread
+        # (mem_cache/zeroed_memory.py): start-up does not wait for 2 GiB of page faults.
+        lazy = self.device.type == "cpu" and can_populate_later()
         self.k_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
+            zeroed(shape, self.store_dtype, self.device, lazy=lazy) for _ in range(layer_num)
         ]
         self.v_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in range(layer_num)
+            zeroed(shape, self.store_dtype, self.device, lazy=lazy) for _ in range(layer_num)
         ]
+        self.populator = Populator(self.k_buffer + self.v_buffer, "KV pool").start() if lazy else None
 
     @staticmethod
     def cell_size_bytes(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:

@@ -10,6 +10,7 @@ Sizing (done once at start-up):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -154,6 +155,8 @@ class ModelRunner:
             logger.warning("oneDNN is not available in this torch build; linears use F.linear")
             return
         t0 = time.perf_counter()
+        cache = gemv_ops.cache if gemv_ops is not None else None
+        before = dataclasses.replace(cache.stats) if cache is not None else None
         packed: list[PackedLinear] = []
         for module in self.model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(gemv_ops):
@@ -178,6 +181,15 @@ class ModelRunner:
             ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none",
             small_mib,
         )
+        if cache is not None and before is not None:
+            st = cache.stats
+            logger.info(
+                "GEMV blocks: %d weights from the cache (%s), %d recovered in %.2fs and cached",
+                st.hits - before.hits,
+                cache.root,
+                st.stored - before.stored,
+                st.recover_s - before.recover_s,
+            )
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory_gb is not None:
@@ -190,6 +202,7 @@ class ModelRunner:
         return int(CPU_DEFAULT_KV_GB * (1 << 30))
 
     def init_memory_pool(self) -> None:
+        t0 = time.perf_counter()
         cfg, mc = self.config, self.model_config
         kv_heads = max(1, mc.num_key_value_heads // self.tp.size)
         layers = 1 if mc.is_embedding else mc.num_hidden_layers
@@ -210,11 +223,12 @@ class ModelRunner:
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, cfg.page_size, self.device)
         logger.info(
-            "KV pool: %d tokens (%.2f GiB), max_running_requests=%d, page_size=%d",
+            "KV pool: %d tokens (%.2f GiB), max_running_requests=%d, page_size=%d, in %.2fs",
             total,
             total * cell / (1 << 30),
             max_running,
             cfg.page_size,
+            time.perf_counter() - t0,
         )
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput | torch.Tensor:

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,9 +119,11 @@ def convert_gguf_to_hf(gguf_path: Path, cache_root: Path | None = None) -> Path:
         if _is_complete(target):
             return target
         logger.info("Converting %s to an HF directory at %s (once)", gguf_path, target)
+        t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             _convert_into(gguf_path, tmp)
+            logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - t0)
             if target.exists():
                 shutil.rmtree(target)  # an incomplete leftover: no marker
             try:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: the launcher resolves paths only
+    import torch
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -75,6 +77,8 @@ def _iterate_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict: keys() is its listing
                 yield name, f.get_tensor(name)
         return
+    import torch
+
     state = torch.load(str(path), map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise ValueError(f"{path} does not hold a state dict (got {type(state).__name__})")
@@ -121,5 +125,7 @@ def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor, *, na
             f"shape mismatch loading {label}: parameter has shape {tuple(param.shape)}, "
             f"checkpoint tensor has shape {tuple(loaded.shape)}"
         )
+    import torch
+
     with torch.no_grad():
         param.data.copy_(loaded.to(dtype=param.dtype))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import Sequence
 
 from meshlm.common import telemetry
@@ -40,6 +42,7 @@ from meshlm.scheduler.service.tracker import RequestTracker
 from meshlm.v1 import common_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
+_IMPORTED_AT = time.monotonic()  # the fallback clock where /proc is unreadable
 
 SERVICE_NAME = "meshlm.v1.SchedulerService"
 
@@ -58,6 +61,19 @@ def model_info(runtime: SchedulerRuntime) -> common_pb2.ModelInfo:
         architecture=mc.architecture,
         max_req_input_len=runtime.scheduler.max_req_len,
     )
+
+
+def process_uptime_s() -> float:
+    """Seconds since this process started (Linux /proc: the kernel's start time, so the
+    interpreter and the imports count); elsewhere since this module was imported."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
 
 
 class SchedulerServer:
@@ -83,6 +99,7 @@ class SchedulerServer:
     async def start(self) -> int:
         """Load the model, start the loop, the Push client and gRPC; returns the bound port."""
         svc = self.svc
+        logger.info("start-up: interpreter and imports took %.2fs", process_uptime_s())
         # The model loads in a worker thread so the event loop stays responsive.
         runtime = await asyncio.to_thread(SchedulerRuntime, self.engine_config, self._on_output, self._on_control)
         self.runtime = runtime
@@ -106,7 +123,8 @@ class SchedulerServer:
             self._ready_task = asyncio.create_task(self._serve_when_decode_up(), name="decode-ready")
         self.metrics.serve(svc.metrics_port)
         logger.info(
-            "scheduler %s serving on port %d (model %s, KV %d tokens, role %s, detokenizers %s%s)",
+            "scheduler %s serving on port %d (model %s, KV %d tokens, role %s, detokenizers %s%s): "
+            "ready in %.1fs after the process started",
             self.scheduler_id,
             self.port,
             runtime.config.model_path,
@@ -114,6 +132,7 @@ class SchedulerServer:
             self.engine_config.disaggregation_mode,
             ",".join(svc.detokenizer_addrs) or "-",
             f", decode schedulers {','.join(svc.decode_addrs)}" if self.handover else "",
+            process_uptime_s(),
         )
         return self.port
 

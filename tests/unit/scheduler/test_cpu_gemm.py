@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.scheduler.layers.cpu_gemm import PackedLinear, prepack_supported
+from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_supported, try_pack
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessor
 
@@ -83,3 +83,27 @@ def test_small_batches_stream_the_weight_through_gemv(rows: int, bias: bool) -> 
     wide = torch.randn(rows, 200)
     x = wide[:, 50:146]  # strided rows, as a view of a wider activation
     assert torch.allclose(packed(x), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_one_self_check_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PackChecks: a second weight of a checked layout is packed without checking again; a new
+    layout (another shape, a bias) is checked; a failing check still refuses the weight."""
+    if not prepack_supported():
+        pytest.skip("no oneDNN in this torch build")
+    checked: list[tuple[object, ...]] = []
+    real = PackedLinear.matches
+
+    def spy(self: PackedLinear, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        checked.append(self.layout())
+        return real(self, weight, bias)
+
+    monkeypatch.setattr(PackedLinear, "matches", spy)
+    checks = PackChecks()
+    for _ in range(3):
+        assert try_pack(torch.randn(64, 96), None, checks=checks) is not None
+    assert try_pack(torch.randn(64, 96), torch.randn(64), checks=checks) is not None
+    assert try_pack(torch.randn(32, 96), None, checks=checks) is not None
+    assert len(checked) == 3 and len(set(checked)) == 3
+    monkeypatch.setattr(PackedLinear, "matches", lambda self, w, b: False)
+    assert try_pack(torch.randn(16, 96), None, checks=checks) is None
+    assert try_pack(torch.randn(64, 96), None, checks=PackChecks()) is None  # a fresh pass checks again

@@ -18,6 +18,7 @@ Results equal F.linear up to summation order (the blocks reproduce the weights b
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +41,28 @@ def prepack_supported() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: GemvOps | None = None) -> PackedLinear | None:
+@dataclass
+class PackChecks:
+    """The layouts whose kernels passed PackedLinear.matches in one prepack pass.
+
+    The self-check tests that this CPU's kernels compute the product right; how they compute it
+    depends on the layout (shape, dtype, small format, bias), not on the weight's values (the
+    small formats are verified bit for bit when built), so one weight per layout is checked:
+    a model's 30 layers share 4 layouts.
+    """
+
+    passed: set[tuple[object, ...]] = field(default_factory=set)
+
+
+def try_pack(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gemv_ops: GemvOps | None = None,
+    checks: PackChecks | None = None,
+) -> PackedLinear | None:
     """A checked PackedLinear, or None where this torch build or CPU cannot pack `weight`
-    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees."""
+    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees.
+    With `checks`, a layout already checked in this pass is not checked again."""
     if not prepack_supported() or weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES:
         return None
     try:
@@ -50,9 +70,14 @@ def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, gemv_ops: GemvOps 
     except RuntimeError as e:
         log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, e)
         return None
+    layout = packed.layout()
+    if checks is not None and layout in checks.passed:
+        return packed
     if not packed.matches(weight, bias):
         log.warning("oneDNN prepacked linear disagrees with F.linear here; keeping F.linear")
         return None
+    if checks is not None:
+        checks.passed.add(layout)
     return packed
 
 
@@ -102,6 +127,11 @@ class PackedLinear:
                 return self.gemm_ops.gemm(rows, self.blocks, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
+    def layout(self) -> tuple[object, ...]:
+        """What decides which kernels run and how (see PackChecks)."""
+        fmt = self.small.format if self.small is not None else None
+        return (self.out_features, self.in_features, self.dtype, fmt, self.blocks is not None, self.bias is not None)
+
     def matches(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Self-check against F.linear on random rows (a build whose oneDNN misbehaves on this
         CPU is not used). Draws from its own generator: the global RNG, seeded by --random-seed
@@ -118,14 +148,16 @@ class PackedLinear:
         return True
 
 
-def prepack_weight(module: torch.nn.Module, with_bias: bool, gemv_ops: GemvOps | None = None) -> PackedLinear | None:
+def prepack_weight(
+    module: torch.nn.Module, with_bias: bool, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None
+) -> PackedLinear | None:
     """A PackedLinear of `module.weight` (and its bias if with_bias); the module's parameter is
     then an empty tensor of its dtype (the PackedLinear holds a small-batch copy of the weight
     only where it streams it for small batches). None when this torch build or CPU cannot (the module keeps its dense
     weight)."""
     weight, bias = module.weight, module.bias if with_bias else None
     assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
-    packed = try_pack(weight, bias, gemv_ops)
+    packed = try_pack(weight, bias, gemv_ops, checks)
     if packed is None:
         return None
     module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
-from meshlm.scheduler.layers.cpu_gemm import PackedLinear, prepack_weight
+from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_weight
 
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemv import GemvOps
@@ -63,8 +63,8 @@ class ColumnParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[0])
         _copy_into(param.data, loaded.narrow(0, start, n), "column-parallel")
 
-    def prepack(self, gemv_ops: GemvOps | None = None) -> bool:
-        self.packed = prepack_weight(self, with_bias=True, gemv_ops=gemv_ops)
+    def prepack(self, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None) -> bool:
+        self.packed = prepack_weight(self, with_bias=True, gemv_ops=gemv_ops, checks=checks)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +103,8 @@ class RowParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[1])
         _copy_into(param.data, loaded.narrow(1, start, n), "row-parallel")
 
-    def prepack(self, gemv_ops: GemvOps | None = None) -> bool:
-        self.packed = prepack_weight(self, with_bias=False, gemv_ops=gemv_ops)
+    def prepack(self, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None) -> bool:
+        self.packed = prepack_weight(self, with_bias=False, gemv_ops=gemv_ops, checks=checks)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

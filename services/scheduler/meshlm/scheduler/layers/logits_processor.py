@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
-from meshlm.scheduler.layers.cpu_gemm import PackedLinear, try_pack
+from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, try_pack
 
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemv import GemvOps
@@ -38,8 +38,10 @@ class LogitsProcessor(nn.Module):
         # caller's (with tied embeddings it is also the embedding table).
         self.packed_head: PackedLinear | None = None
 
-    def prepack(self, lm_head_weight: torch.Tensor, gemv_ops: GemvOps | None = None) -> bool:
-        self.packed_head = try_pack(lm_head_weight, None, gemv_ops)
+    def prepack(
+        self, lm_head_weight: torch.Tensor, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None
+    ) -> bool:
+        self.packed_head = try_pack(lm_head_weight, None, gemv_ops, checks)
         return self.packed_head is not None
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

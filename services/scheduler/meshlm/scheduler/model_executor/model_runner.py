@@ -22,7 +22,7 @@ from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.kernels.cpu_ops import cpu_ops_or_none
 from meshlm.scheduler.kernels.gemv import GemvOps, gemv_ops_or_none
-from meshlm.scheduler.layers.cpu_gemm import PackedLinear, prepack_supported
+from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_supported
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
@@ -158,13 +158,14 @@ class ModelRunner:
         cache = gemv_ops.cache if gemv_ops is not None else None
         before = dataclasses.replace(cache.stats) if cache is not None else None
         packed: list[PackedLinear] = []
+        checks = PackChecks()  # one self-check per layout, not per weight
         for module in self.model.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(gemv_ops):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(gemv_ops, checks):
                 assert module.packed is not None
                 packed.append(module.packed)
         head = getattr(self.model, "lm_head", None)
         logits = getattr(self.model, "logits_processor", None)
-        if head is not None and logits is not None and logits.prepack(head.weight, gemv_ops):
+        if head is not None and logits is not None and logits.prepack(head.weight, gemv_ops, checks):
             assert logits.packed_head is not None
             packed.append(logits.packed_head)
         formats = Counter(p.small.format for p in packed if p.small is not None)

@@ -16,12 +16,13 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from tokenizers import AddedToken, Tokenizer
+
+from meshlm.common.tokenizer_files import read_json_object, token_content
 
 _SPECIAL_KEYS = (
     "bos_token",
@@ -49,41 +50,24 @@ class TextDecoder(Protocol):
     def token_texts(self, ids: Sequence[int]) -> list[str]: ...
 
 
-def _token_content(value: Any) -> str | None:
-    """A special-token entry of tokenizer_config.json: "<s>" or {"content": "<s>", ...}."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def declared_special_tokens(config: dict[str, Any]) -> list[str]:
     """Every special token a tokenizer_config.json / special_tokens_map.json declares."""
     found: list[str] = []
     for key in _SPECIAL_KEYS:
-        content = _token_content(config.get(key))
+        content = token_content(config.get(key))
         if content:
             found.append(content)
     for key in _LIST_KEYS:
         value = config.get(key)
         items: Iterable[Any] = value.values() if isinstance(value, dict) else (value or [])
         for item in items:
-            content = _token_content(item)
+            content = token_content(item)
             if content:
                 found.append(content)
     for entry in (config.get("added_tokens_decoder") or {}).values():
         if isinstance(entry, dict) and entry.get("special") and isinstance(entry.get("content"), str):
             found.append(entry["content"])
     return list(dict.fromkeys(found))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    with path.open(encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
 
 
 class TokenizerDecoder:
@@ -107,7 +91,7 @@ class TokenizerDecoder:
         tokenizer = Tokenizer.from_file(str(file))
         declared: list[str] = []
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
-            declared += declared_special_tokens(_read_json(file.parent / name))
+            declared += declared_special_tokens(read_json_object(file.parent / name))
         already = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         missing = [
             AddedToken(c, special=True, normalized=False)

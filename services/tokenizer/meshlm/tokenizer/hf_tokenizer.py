@@ -21,7 +21,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+
+from meshlm.common.tokenizer_files import clean_up_tokenization, open_tokenizer_json, read_json_object, token_content
 
 # Special-token attributes transformers exposes to chat templates (special_tokens_map).
 _SPECIAL_TOKEN_KEYS = (
@@ -37,14 +38,6 @@ _SPECIAL_TOKEN_KEYS = (
 
 class ChatTemplateError(ValueError):
     """The template rejected the conversation (raise_exception) or failed to render."""
-
-
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
 
 
 def _compile(template: str) -> jinja2.Template:
@@ -85,44 +78,20 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-# transformers' clean_up_tokenization (applied on decode when the config asks for it).
-_CLEANUPS = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
-
-
 class HFTokenizer:
     """tokenizer.json + tokenizer_config.json + chat template of one HF directory."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        tok_file = self.path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise FileNotFoundError(f"tokenizer_path {str(self.path)!r} has no tokenizer.json")
-        self._tok = Tokenizer.from_file(str(tok_file))
-        # tokenizer.json may carry padding/truncation (BERT exports pad to 128): transformers
-        # turns both off unless a call asks for them, and so do we (length limits are ours).
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        cfg_file = self.path / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self._tok = open_tokenizer_json(self.path)
+        self.config: dict[str, Any] = read_json_object(self.path / "tokenizer_config.json")
         # Legacy special_tokens_map.json fills what tokenizer_config.json does not set (as HF).
-        map_file = self.path / "special_tokens_map.json"
-        legacy: dict[str, Any] = json.loads(map_file.read_text()) if map_file.is_file() else {}
+        legacy = read_json_object(self.path / "special_tokens_map.json")
         self.special_tokens: dict[str, str] = {}
         for key in _SPECIAL_TOKEN_KEYS:
-            value = _token_str(self.config.get(key))
+            value = token_content(self.config.get(key))
             if value is None:
-                value = _token_str(legacy.get(key))
+                value = token_content(legacy.get(key))
             if value is not None:
                 self.special_tokens[key] = value
         self.chat_template: str | None = self._load_template()
@@ -156,10 +125,7 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        if self.clean_up_tokenization_spaces:
-            for a, b in _CLEANUPS:
-                text = text.replace(a, b)
-        return text
+        return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

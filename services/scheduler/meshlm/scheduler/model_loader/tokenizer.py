@@ -20,26 +20,13 @@ from `load_tokenizer`.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# transformers' clean_up_tokenization (applied on decode when the config asks for it).
-_CLEANUPS = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
+from meshlm.common.tokenizer_files import clean_up_tokenization, open_tokenizer_json, read_json_object, token_content
 
 
 @dataclass(frozen=True)
@@ -49,39 +36,15 @@ class Encoding:
     input_ids: list[int]
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 class FastTokenizer:
     """tokenizer.json + tokenizer_config.json of one HF directory (see the module docstring)."""
 
     def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer
-
         self.path = Path(path)
-        tok_file = self.path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise FileNotFoundError(f"tokenizer_path {str(self.path)!r} has no tokenizer.json")
-        self._tok = Tokenizer.from_file(str(tok_file))
-        # tokenizer.json may carry padding/truncation (BERT exports pad to 128): transformers
-        # turns both off unless a call asks for them.
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        config = _read_json(self.path / "tokenizer_config.json")
-        legacy = _read_json(self.path / "special_tokens_map.json")  # fills what the config lacks
-        bos = _token_str(config.get("bos_token")) or _token_str(legacy.get("bos_token"))
+        self._tok = open_tokenizer_json(self.path)
+        config = read_json_object(self.path / "tokenizer_config.json")
+        legacy = read_json_object(self.path / "special_tokens_map.json")  # fills what the config lacks
+        bos = token_content(config.get("bos_token")) or token_content(legacy.get("bos_token"))
         self.bos_token_id: int | None = self._tok.token_to_id(bos) if bos else None
         # As transformers (>= 5): the cleanup is for WordPiece vocabularies and skipped for BPE,
         # which it would corrupt, unless the config insists.
@@ -100,10 +63,7 @@ class FastTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text: str = self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        if self.clean_up_tokenization_spaces:
-            for a, b in _CLEANUPS:
-                text = text.replace(a, b)
-        return text
+        return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
     def hf(self) -> Any:
         """The transformers tokenizer of this directory (loaded at the first call, thread-safe)."""

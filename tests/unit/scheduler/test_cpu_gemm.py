@@ -64,11 +64,23 @@ def test_rejects_what_it_cannot_pack() -> None:
 def test_prepack_leaves_the_global_rng_alone() -> None:
     """--random-seed seeds the global RNG before the weights load; packing must not draw from
     it (ranks pack differently shaped shards, so their unseeded sampling would drift apart)."""
+    layer = ColumnParallelLinear(16, 24, params_dtype=torch.float32)
+    layer.weight.data.copy_(torch.linspace(-1, 1, 16 * 24).view(24, 16))  # loaded weights, not torch.empty's
     torch.manual_seed(7)
-    ColumnParallelLinear(16, 24, params_dtype=torch.float32).prepack()
+    layer.prepack()
     after = torch.rand(4)
     torch.manual_seed(7)
     assert torch.equal(after, torch.rand(4))
+
+
+def test_self_check_copes_with_non_finite_weights() -> None:
+    """A weight holding inf / NaN (a broken checkpoint) gets a verdict, not a crash: both paths
+    propagate the non-finite values to the same outputs."""
+    w = torch.randn(24, 16)
+    w[3, 5] = float("nan")
+    w[7, 2] = float("inf")
+    packed = PackedLinear(w, None)
+    assert packed.matches(w, None)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5])  # 1..4 take the GEMV kernel, 5 oneDNN

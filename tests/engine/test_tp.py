@@ -168,9 +168,11 @@ def test_a_dead_rank_stops_rank_0_promptly(tmp_path: Path, smollm_tokenizer) -> 
         assert ranks is not None
         ranks.procs[0].kill()
         t0 = time.monotonic()
-        while eng.runtime.is_alive() and time.monotonic() - t0 < 10:
+        # Promptly: rank 0's next broadcast fails on the dead peer's socket; the bound is
+        # generous for a loaded 2-core CI machine (one fresh-clone CI run saw more than 10 s).
+        while eng.runtime.is_alive() and time.monotonic() - t0 < 30:
             time.sleep(0.05)
-        assert not eng.runtime.is_alive()
+        assert not eng.runtime.is_alive(), f"rank 0 still running {time.monotonic() - t0:.0f} s after rank 1 died"
         # The OS tells gloo of the dead peer as EOF ("closed") or, when the killed rank had
         # unread data, as a reset: which one is a race of the kill, not of our code.
         assert re.search(r"Connection (closed|reset) by peer", str(eng.runtime.crashed))

@@ -6,7 +6,8 @@ memory, per row count.
     python bench/bench_gemv.py                          # default SmolLM2 (GGUF Q4_1)
     python bench/bench_gemv.py --rows 1,4,8 --formats q4_1,f32
 
-For each row count it times one pass over all the layer weights (424 MB as float32 for SmolLM2,
+For each row count it times one pass over all the layer weights, fused as the model runs them
+(q/k/v and gate/up of a layer concatenated: 120 GEMMs, 424 MB as float32 for SmolLM2,
 far beyond the caches, as in a decode step) through each GEMV format (rows <= 16), through the
 block GEMM (when the weights are GGUF blocks) and through oneDNN, interleaved, and prints the
 medians and the ratios to oneDNN (below 1: faster than oneDNN). The crossovers are where
@@ -28,6 +29,17 @@ from meshlm.scheduler.layers.cpu_gemm import PackedLinear
 from meshlm.scheduler.model_loader import resolve_model_path
 
 
+def fused_groups(names: list[str]) -> list[list[str]]:
+    """Weight names grouped as the model runs them: q/k/v and gate/up of a layer concatenated
+    (one GEMM each), the others alone."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        prefix, _, leaf = n.rpartition(".")[0].rpartition(".")
+        fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+        groups.setdefault(f"{prefix}.{fused.get(leaf, leaf)}", []).append(n)
+    return list(groups.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -44,9 +56,9 @@ def main() -> None:
     path = resolve_model_path(args.model_path)
     weights = []
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        for name in f.keys():  # noqa: SIM118 - safe_open is not a dict: keys() is its listing
-            if ".layers." in name and name.endswith("proj.weight"):
-                weights.append(f.get_tensor(name).float())
+        names = [n for n in f.keys() if ".layers." in n and n.endswith("proj.weight")]  # noqa: SIM118
+        for group in fused_groups(names):
+            weights.append(torch.cat([f.get_tensor(n).float() for n in group]))
     onednn = [PackedLinear(w, None) for w in weights]
     gemvs = {}
     for fmt in args.formats.split(","):
@@ -58,7 +70,7 @@ def main() -> None:
     gemm = load_gemm_q_ops()
     blocks = [QPanelWeight.from_gemv(g) for g in gemvs["q4_1"]] if "q4_1" in gemvs else []
     mb = sum(w.numel() for w in weights) * 4 / 1e6
-    print(f"threads={torch.get_num_threads()}, {len(weights)} layer weights of {path.name} ({mb:.0f} MB float32)")
+    print(f"threads={torch.get_num_threads()}, {len(weights)} fused layer weights of {path.name} ({mb:.0f} MB float32)")
     paths = [*gemvs, *(["blocks"] if blocks else [])]
     print(f"{'rows':>4s} {'oneDNN ms':>10s}" + "".join(f" {f + ' ms':>9s} {f + '/oneDNN':>12s}" for f in paths))
     for rows in (int(r) for r in args.rows.split(",")):

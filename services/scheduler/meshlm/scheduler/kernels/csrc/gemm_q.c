@@ -15,10 +15,12 @@
  * micro-panel of x (packed once per call: for each k the 6 rows' values side by side). The
  * dequantization is amortized over the M rows; the weight crosses memory in its small format.
  *
- * Work: tasks are (block of MC rows, group of panels), split among threads; within a task, for
- * each K block and panel: dequantize, then run the micro-kernel over the block's micro-panels.
- * The first K block stores (adding the bias), later ones accumulate into y. Results equal the
- * float32 product up to summation order.
+ * Work: tasks are (block of <= MC rows, group of panels), split among threads, M divided evenly
+ * among the row blocks; within a task, for each panel and K block: dequantize, then run the
+ * micro-kernel over the block's micro-panels. Panel-major order streams each panel's packed
+ * weights in address order, and the next tile is prefetched while this one is multiplied (the
+ * task's rows of x, <= MC x K, are re-read from L2). The first K block stores (adding the bias),
+ * later ones accumulate into y. Results equal the float32 product up to summation order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,7 +33,7 @@
 #define MR 6       /* rows of x per micro-kernel */
 #define NR 16      /* output columns per panel */
 #define KC_MAX 256 /* dequantized block: KC x NR x 4 = 16 KiB, beside a 6 KiB x micro-panel in L1 */
-#define MC 144     /* rows per task: their packed x of one K block is reused from L2 by each panel */
+#define MC 144     /* rows per task at most: their packed x is reused from L2 by each panel */
 
 enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
 
@@ -44,6 +46,18 @@ int meshlm_gemm_q_available(void) {
 }
 
 #ifdef HAVE_AVX2
+/* Prefetch into L1 the packed tile of panel p, rows [k0, k0 + kc), that a later dequant_panel reads. */
+static void prefetch_tile(int fmt, const uint8_t *q, const float *d, const float *m, int64_t K, int64_t p,
+                          int64_t k0, int kc) {
+    const int64_t row_bytes = fmt == FMT_Q4_1 ? NR / 2 : NR;
+    const char *qs = (const char *)q + (p * K + k0) * row_bytes;
+    for (int64_t o = 0; o < kc * row_bytes; o += 64) _mm_prefetch(qs + o, _MM_HINT_T0);
+    const int64_t scale_off = (p * (K / QK) + k0 / QK) * NR, scale_bytes = (int64_t)(kc / QK) * NR * 4;
+    for (int64_t o = 0; o < scale_bytes; o += 64) _mm_prefetch((const char *)(d + scale_off) + o, _MM_HINT_T0);
+    if (fmt == FMT_Q4_1)
+        for (int64_t o = 0; o < scale_bytes; o += 64) _mm_prefetch((const char *)(m + scale_off) + o, _MM_HINT_T0);
+}
+
 /* Rows [k0, k0 + kc) of panel p as float32 [kc][16] into buf (k0, kc multiples of QK). */
 static void dequant_panel(int fmt, const uint8_t *q, const float *d, const float *m, int64_t K, int64_t p,
                           int64_t k0, int kc, float *buf) {
@@ -168,6 +182,8 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
     float *xp = aligned_alloc(64, sizeof(float) * (size_t)(m_panels * K * MR));
     if (xp == NULL) return 3;
     const int64_t m_blocks = (M + MC - 1) / MC;
+    /* rows per task: M split evenly among the row blocks, rounded up to whole micro-panels */
+    const int64_t mc = ((M + m_blocks - 1) / m_blocks + MR - 1) / MR * MR;
     int64_t groups = (4 * (int64_t)num_threads + m_blocks - 1) / m_blocks;
     if (groups > panels) groups = panels;
     const int64_t tasks = m_blocks * groups;
@@ -182,17 +198,22 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             if (buf == NULL) continue;
-            const int64_t i0 = (t / groups) * MC;
-            const int64_t rows = M - i0 < MC ? M - i0 : MC;
-            const int64_t g = t % groups;
-            /* K blocks outermost: the task's rows of x in this K block (MC x KC x 4 = 144 KiB)
-             * stay in L2 while every panel of the group passes. */
-            for (int64_t kb = 0; kb < k_blocks; kb++) {
-                const int64_t k0 = kb * kc_step;
-                const int kc = (int)(K - k0 < kc_step ? K - k0 : kc_step);
-                for (int64_t p = g * panels / groups; p < (g + 1) * panels / groups; p++) {
-                    const int cols = (int)(N - p * NR < NR ? N - p * NR : NR);
-                    const float *bias_p = bias != NULL ? bias + p * NR : NULL;
+            const int64_t i0 = (t / groups) * mc;
+            const int64_t rows = M - i0 < mc ? M - i0 : mc;
+            const int64_t g = t % groups, p_end = (g + 1) * panels / groups;
+            for (int64_t p = g * panels / groups; p < p_end; p++) {
+                const int cols = (int)(N - p * NR < NR ? N - p * NR : NR);
+                const float *bias_p = bias != NULL ? bias + p * NR : NULL;
+                for (int64_t kb = 0; kb < k_blocks; kb++) {
+                    const int64_t k0 = kb * kc_step;
+                    const int kc = (int)(K - k0 < kc_step ? K - k0 : kc_step);
+                    /* the next tile: this panel's next K block, else the next panel's first */
+                    if (kb + 1 < k_blocks) {
+                        const int64_t nk0 = k0 + kc_step;
+                        prefetch_tile(fmt, q, d, m, K, p, nk0, (int)(K - nk0 < kc_step ? K - nk0 : kc_step));
+                    } else if (p + 1 < p_end) {
+                        prefetch_tile(fmt, q, d, m, K, p + 1, 0, (int)(K < kc_step ? K : kc_step));
+                    }
                     dequant_panel(fmt, q, d, m, K, p, k0, kc, buf);
                     for (int64_t r0 = 0; r0 < rows; r0 += MR)
                         micro_kernel(kc, xp + ((i0 + r0) / MR) * K * MR + k0 * MR, buf, y + (i0 + r0) * N + p * NR,

@@ -11,15 +11,15 @@
  *   q8_0   q [P][K][16] int8, d [P][K/32][16]: w = d * q.
  * A block of KC rows of one panel is dequantized into a float32 buffer of KC x 16 (in L1),
  * exactly as the GEMV kernels do (fma(d, q, m) rounds once, like numpy's d * q + m), and a
- * 6 x 16 register-blocked micro-kernel (12 accumulators) multiplies it with every 6-row
- * micro-panel of x (packed once per call: for each k the 6 rows' values side by side). The
+ * 6 x 16 register-blocked micro-kernel (12 accumulators) multiplies it with every 6 rows of x,
+ * read in place (six row streams; packing x cost more than it saved). The
  * dequantization is amortized over the M rows; the weight crosses memory in its small format.
  *
  * Work: tasks are (block of <= MC rows, group of panels), split among threads, M divided evenly
  * among the row blocks; within a task, for each panel and K block: dequantize, then run the
  * micro-kernel over the block's micro-panels. Panel-major order streams each panel's packed
  * weights in address order, and the next tile is prefetched while this one is multiplied (the
- * task's rows of x, <= MC x K, are re-read from L2). The first K block stores (adding the bias),
+ * task's rows of x, <= MC x K, are re-read from L2 or L3). The first K block stores (adding the bias),
  * later ones accumulate into y. Results equal the float32 product up to summation order.
  */
 #include <stdint.h>
@@ -33,7 +33,7 @@
 #define MR 6       /* rows of x per micro-kernel */
 #define NR 16      /* output columns per panel */
 #define KC_MAX 256 /* dequantized block: KC x NR x 4 = 16 KiB, beside a 6 KiB x micro-panel in L1 */
-#define MC 144     /* rows per task at most: their packed x is reused from L2 by each panel */
+#define MC 144     /* rows per task at most: their x is re-read from L2 by each panel */
 
 enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
 
@@ -91,32 +91,36 @@ static void dequant_panel(int fmt, const uint8_t *q, const float *d, const float
     }
 }
 
-/* c[rows][cols] (+)= a (kc x 6, packed) . b (kc x 16); c rows ldc apart. `first`: store, adding
- * `bias` (16 values, or NULL); else accumulate. */
-static void micro_kernel(int kc, const float *a, const float *b, float *c, int64_t ldc, int first,
+/* c[rows][cols] (+)= a[rows][kc] . b (kc x 16); rows of a lda apart (read in place: x is not
+ * packed), rows of c ldc apart. `first`: store, adding `bias` (16 values, or NULL); else
+ * accumulate. */
+static void micro_kernel(int kc, const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int first,
                          const float *bias, int rows, int cols) {
+    /* rows past `rows` re-read the last real row; their sums are never stored */
+    const float *a0 = a, *a1 = a + (rows > 1 ? 1 : rows - 1) * lda, *a2 = a + (rows > 2 ? 2 : rows - 1) * lda;
+    const float *a3 = a + (rows > 3 ? 3 : rows - 1) * lda, *a4 = a + (rows > 4 ? 4 : rows - 1) * lda;
+    const float *a5 = a + (rows > 5 ? 5 : rows - 1) * lda;
     /* Twelve named accumulators: an array would be spilled to the stack at every k. */
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int k = 0; k < kc; k++) {
         const __m256 b0 = _mm256_load_ps(b + k * NR), b1 = _mm256_load_ps(b + k * NR + 8);
-        const float *ak = a + k * MR;
-        __m256 av = _mm256_broadcast_ss(ak);
+        __m256 av = _mm256_broadcast_ss(a0 + k);
         c00 = _mm256_fmadd_ps(av, b0, c00);
         c01 = _mm256_fmadd_ps(av, b1, c01);
-        av = _mm256_broadcast_ss(ak + 1);
+        av = _mm256_broadcast_ss(a1 + k);
         c10 = _mm256_fmadd_ps(av, b0, c10);
         c11 = _mm256_fmadd_ps(av, b1, c11);
-        av = _mm256_broadcast_ss(ak + 2);
+        av = _mm256_broadcast_ss(a2 + k);
         c20 = _mm256_fmadd_ps(av, b0, c20);
         c21 = _mm256_fmadd_ps(av, b1, c21);
-        av = _mm256_broadcast_ss(ak + 3);
+        av = _mm256_broadcast_ss(a3 + k);
         c30 = _mm256_fmadd_ps(av, b0, c30);
         c31 = _mm256_fmadd_ps(av, b1, c31);
-        av = _mm256_broadcast_ss(ak + 4);
+        av = _mm256_broadcast_ss(a4 + k);
         c40 = _mm256_fmadd_ps(av, b0, c40);
         c41 = _mm256_fmadd_ps(av, b1, c41);
-        av = _mm256_broadcast_ss(ak + 5);
+        av = _mm256_broadcast_ss(a5 + k);
         c50 = _mm256_fmadd_ps(av, b0, c50);
         c51 = _mm256_fmadd_ps(av, b1, c51);
     }
@@ -149,17 +153,6 @@ static void micro_kernel(int kc, const float *a, const float *b, float *c, int64
         }
 }
 
-/* Rows [i0, i0 + 6) of x (zero past M) as xp[k][6] for k in [0, K). */
-static void pack_rows(const float *x, int64_t x_stride, int64_t M, int64_t i0, int64_t K, float *xp) {
-    for (int r = 0; r < MR; r++) {
-        if (i0 + r < M) {
-            const float *src = x + (i0 + r) * x_stride;
-            for (int64_t k = 0; k < K; k++) xp[k * MR + r] = src[k];
-        } else {
-            for (int64_t k = 0; k < K; k++) xp[k * MR + r] = 0.f;
-        }
-    }
-}
 #endif
 
 /* y [M, N] (rows N apart) = x [M, K] (rows x_stride apart) . W^T (+ bias [N]); W in the panel
@@ -175,12 +168,8 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
     if (M <= 0 || N <= 0 || K <= 0 || K % QK != 0 || x_stride < K || num_threads < 1) return 1;
     if (fmt != FMT_Q4_1 && fmt != FMT_Q8_0) return 1;
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t m_panels = (M + MR - 1) / MR;
     const int64_t kc_step = KC_MAX; /* a multiple of QK; the last K block may be shorter */
     const int64_t k_blocks = (K + kc_step - 1) / kc_step;
-    /* x packed once per call: micro-panel i (rows 6i .. 6i+5) at xp + i * K * 6. */
-    float *xp = aligned_alloc(64, sizeof(float) * (size_t)(m_panels * K * MR));
-    if (xp == NULL) return 3;
     const int64_t m_blocks = (M + MC - 1) / MC;
     /* rows per task: M split evenly among the row blocks, rounded up to whole micro-panels */
     const int64_t mc = ((M + m_blocks - 1) / m_blocks + MR - 1) / MR * MR;
@@ -190,9 +179,6 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m_panels; i++) pack_rows(x, x_stride, M, i * MR, K, xp + i * K * MR);
-        /* (implicit barrier: every task reads all of xp) */
         float *buf = aligned_alloc(64, sizeof(float) * KC_MAX * NR);
         failed |= buf == NULL;
 #pragma omp for schedule(static)
@@ -216,14 +202,13 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
                     }
                     dequant_panel(fmt, q, d, m, K, p, k0, kc, buf);
                     for (int64_t r0 = 0; r0 < rows; r0 += MR)
-                        micro_kernel(kc, xp + ((i0 + r0) / MR) * K * MR + k0 * MR, buf, y + (i0 + r0) * N + p * NR,
+                        micro_kernel(kc, x + (i0 + r0) * x_stride + k0, x_stride, buf, y + (i0 + r0) * N + p * NR,
                                      N, kb == 0, bias_p, (int)(rows - r0 < MR ? rows - r0 : MR), cols);
                 }
             }
         }
         free(buf);
     }
-    free(xp);
     return failed ? 3 : 0;
 #endif
 }

@@ -181,7 +181,8 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
     {
         float *buf = aligned_alloc(64, sizeof(float) * KC_MAX * NR);
         failed |= buf == NULL;
-#pragma omp for schedule(static)
+        /* dynamic: a thread the OS preempts (another process on these cores) hands its tasks on */
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             if (buf == NULL) continue;
             const int64_t i0 = (t / groups) * mc;

@@ -93,11 +93,20 @@ class InputHandler:
                 logger.error("scheduler got an unknown message %r", type(msg).__name__)
 
     def _queue_full(self) -> str | None:
-        """Why a new request is refused (its message names the limit), or None when it fits."""
-        cap, waiting = self.max_queued_requests, len(self.state.waiting_queue)
-        if cap is None or waiting < cap:
+        """Why a new request is refused (its message names the limit), or None when it fits.
+        Waiting requests that the free running slots will take are about to run, not queued:
+        only the rest count against max_queued_requests, so requests that arrive together at a
+        server with free slots all run (the backlog stays <= the cap + max_running_requests)."""
+        cap = self.max_queued_requests
+        if cap is None:
             return None
-        return f"The request queue is full ({waiting} waiting, max_queued_requests={cap}); retry later."
+        state = self.state
+        running = len(state.running_reqs()) + (state.chunked_req is not None)
+        free_slots = max(0, self.memory.max_running_requests - running)
+        queued = max(0, len(state.waiting_queue) - free_slots)
+        if queued < cap:
+            return None
+        return f"The request queue is full ({queued} waiting, max_queued_requests={cap}); retry later."
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         input_ids, session_error = recv.input_ids, None

@@ -19,8 +19,8 @@
  * among the row blocks; within a task, for each panel and K block: dequantize, then run the
  * micro-kernel over the block's micro-panels. Panel-major order streams each panel's packed
  * weights in address order, and the next tile is prefetched while this one is multiplied (the
- * task's rows of x, <= MC x K, are re-read from L2 or L3). The first K block stores (adding the bias),
- * later ones accumulate into y. Results equal the float32 product up to summation order.
+ * task's rows of x, <= MC x K, are re-read from L2 or L3). The first K block stores (adding the
+ * bias), later ones accumulate into y. Results equal the float32 product up to summation order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,7 +32,7 @@
 #define QK 32      /* weights per quantized block along K */
 #define MR 6       /* rows of x per micro-kernel */
 #define NR 16      /* output columns per panel */
-#define KC_MAX 256 /* dequantized block: KC x NR x 4 = 16 KiB, beside a 6 KiB x micro-panel in L1 */
+#define KC_MAX 256 /* dequantized block: KC x NR x 4 = 16 KiB, beside the 6 x KC (6 KiB) of x in L1 */
 #define MC 144     /* rows per task at most: their x is re-read from L2 by each panel */
 
 enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1 };
@@ -46,6 +46,9 @@ int meshlm_gemm_q_available(void) {
 }
 
 #ifdef HAVE_AVX2
+/* Rows in the K block starting at k0 (KC_MAX, or fewer for the last). */
+static inline int k_block_len(int64_t K, int64_t k0) { return (int)(K - k0 < KC_MAX ? K - k0 : KC_MAX); }
+
 /* Prefetch into L1 the packed tile of panel p, rows [k0, k0 + kc), that a later dequant_panel reads. */
 static void prefetch_tile(int fmt, const uint8_t *q, const float *d, const float *m, int64_t K, int64_t p,
                           int64_t k0, int kc) {
@@ -168,8 +171,7 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
     if (M <= 0 || N <= 0 || K <= 0 || K % QK != 0 || x_stride < K || num_threads < 1) return 1;
     if (fmt != FMT_Q4_1 && fmt != FMT_Q8_0) return 1;
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t kc_step = KC_MAX; /* a multiple of QK; the last K block may be shorter */
-    const int64_t k_blocks = (K + kc_step - 1) / kc_step;
+    const int64_t k_blocks = (K + KC_MAX - 1) / KC_MAX; /* KC_MAX is a multiple of QK */
     const int64_t m_blocks = (M + MC - 1) / MC;
     /* rows per task: M split evenly among the row blocks, rounded up to whole micro-panels */
     const int64_t mc = ((M + m_blocks - 1) / m_blocks + MR - 1) / MR * MR;
@@ -192,15 +194,13 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
                 const int cols = (int)(N - p * NR < NR ? N - p * NR : NR);
                 const float *bias_p = bias != NULL ? bias + p * NR : NULL;
                 for (int64_t kb = 0; kb < k_blocks; kb++) {
-                    const int64_t k0 = kb * kc_step;
-                    const int kc = (int)(K - k0 < kc_step ? K - k0 : kc_step);
+                    const int64_t k0 = kb * KC_MAX;
+                    const int kc = k_block_len(K, k0);
                     /* the next tile: this panel's next K block, else the next panel's first */
-                    if (kb + 1 < k_blocks) {
-                        const int64_t nk0 = k0 + kc_step;
-                        prefetch_tile(fmt, q, d, m, K, p, nk0, (int)(K - nk0 < kc_step ? K - nk0 : kc_step));
-                    } else if (p + 1 < p_end) {
-                        prefetch_tile(fmt, q, d, m, K, p + 1, 0, (int)(K < kc_step ? K : kc_step));
-                    }
+                    if (kb + 1 < k_blocks)
+                        prefetch_tile(fmt, q, d, m, K, p, k0 + KC_MAX, k_block_len(K, k0 + KC_MAX));
+                    else if (p + 1 < p_end)
+                        prefetch_tile(fmt, q, d, m, K, p + 1, 0, k_block_len(K, 0));
                     dequant_panel(fmt, q, d, m, K, p, k0, kc, buf);
                     for (int64_t r0 = 0; r0 < rows; r0 += MR)
                         micro_kernel(kc, x + (i0 + r0) * x_stride + k0, x_stride, buf, y + (i0 + r0) * N + p * NR,

@@ -21,6 +21,7 @@ import torch
 
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
 from meshlm.scheduler.attention.cpu_kernel import load_decode_kernel
+from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -94,7 +95,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    cpu, ref = CpuAttnBackend(load_decode_kernel()), TorchNativeAttnBackend()
+    cpu, ref = CpuAttnBackend(load_decode_kernel(), load_extend_kernel()), TorchNativeAttnBackend()
     elem = torch.empty(0, dtype=dtype).element_size()
     print(
         f"decode attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "

@@ -13,6 +13,7 @@ import torch
 from meshlm.scheduler.attention import AttentionBackend, create_backend
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
 from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
+from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend, length_buckets
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -21,7 +22,7 @@ from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, For
 
 def _cpu_backend() -> CpuAttnBackend:
     try:
-        return CpuAttnBackend(load_decode_kernel())
+        return CpuAttnBackend(load_decode_kernel(), load_extend_kernel())
     except KernelUnavailable as e:  # pragma: no cover - the CI machine has gcc
         pytest.skip(f"no C compiler: {e}")
 

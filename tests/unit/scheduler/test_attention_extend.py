@@ -1,7 +1,8 @@
 """Extend attention of every backend equals plain causal attention over each request's own cache
 positions, for batches mixing one-token segments (a mixed chunk's decode rows), short and long
 segments, with and without a cached prefix. The CPU backend sends the short segments through
-its C kernel and the long ones through SDPA; both halves must land in the right rows."""
+its C decode kernel and the long ones through its C extend kernel (or SDPA, where that kernel
+is absent); both halves must land in the right rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from meshlm.scheduler.attention.cpu import KERNEL_EXTEND_MAX, CpuAttnBackend, split_extend
 from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
+from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -20,9 +22,9 @@ from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, For
 LONG = KERNEL_EXTEND_MAX + 13
 
 
-def _cpu_backend() -> CpuAttnBackend:
+def _cpu_backend(with_extend_kernel: bool) -> CpuAttnBackend:
     try:
-        return CpuAttnBackend(load_decode_kernel())
+        return CpuAttnBackend(load_decode_kernel(), load_extend_kernel() if with_extend_kernel else None)
     except KernelUnavailable as e:  # pragma: no cover - the CI machine has gcc
         pytest.skip(f"no C compiler: {e}")
 
@@ -86,13 +88,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+@pytest.mark.parametrize("backend", ["torch_native", "cpu", "cpu without extend kernel"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "dtype"), [(9, 3, 64, torch.float32), (4, 4, 32, torch.bfloat16)])
 def test_extend_equals_causal_attention(case: str, backend: str, heads: int, kv_heads: int, dim: int, dtype) -> None:
     torch.manual_seed(0)
     segments = CASES[case]
     fb, pool, table = _extend_batch(segments, heads, kv_heads, dim, dtype)
-    impl = _cpu_backend() if backend == "cpu" else TorchNativeAttnBackend()
+    impl = TorchNativeAttnBackend() if backend == "torch_native" else _cpu_backend(backend == "cpu")
     impl.init_forward_metadata(fb)
     t = sum(n for _, n in segments)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, dtype=dtype)
@@ -109,15 +111,30 @@ def test_split_routes_by_segment_length() -> None:
     segments = [(40, 1), (0, LONG), (7, 3), (2, KERNEL_EXTEND_MAX + 1)]
     fb, _, _ = _extend_batch(segments, 2, 1, 8, torch.float32)
     split = split_extend(fb)
-    assert split is not None and split.kernel_tokens is not None
+    assert split.kernel is not None and split.kernel_tokens is not None and split.long is not None
     # batch rows: 0 | 1 .. LONG | LONG+1 .. LONG+3 | the last long segment
     assert split.kernel_tokens.tolist() == [0, LONG + 1, LONG + 2, LONG + 3]
     assert split.kernel.rows.tolist() == [1, 3, 3, 3]
     assert split.kernel.lens.tolist() == [41, 8, 9, 10]
-    assert split.sdpa.prefix_lens == [0, 2]
-    assert split.sdpa.bounds == [(1, 1 + LONG), (LONG + 4, LONG + 4 + KERNEL_EXTEND_MAX + 1)]
+    assert split.long_segments == [1, 3]
+    assert split.long.rows.tolist() == [2, 4] and split.long.prefix.tolist() == [0, 2]
+    assert split.long.starts.tolist() == [1, LONG + 4] and split.long.lens.tolist() == [LONG, KERNEL_EXTEND_MAX + 1]
     only_long, _, _ = _extend_batch([(0, LONG)], 2, 1, 8, torch.float32)
-    assert split_extend(only_long) is None
+    s = split_extend(only_long)
+    assert s.kernel is None and s.long is not None and s.long.lens.tolist() == [LONG]
     only_short, _, _ = _extend_batch([(3, 1), (0, 2)], 2, 1, 8, torch.float32)
     s = split_extend(only_short)
-    assert s is not None and s.kernel_tokens is None and s.sdpa.bounds == []
+    assert s.kernel_tokens is None and s.long is None and s.long_segments == []
+
+
+def test_unsupported_head_dim_falls_back_to_sdpa() -> None:
+    """A head dim the extend kernel does not take (not a multiple of 16) still attends right."""
+    segments = [(3, LONG), (0, 2)]
+    fb, pool, table = _extend_batch(segments, 2, 1, 24, torch.float32)
+    impl = _cpu_backend(True)
+    assert impl.extend_kernel is not None and not impl.extend_kernel.supports(2, 1, 24)
+    impl.init_forward_metadata(fb)
+    t = sum(n for _, n in segments)
+    q, k, v = torch.randn(t, 2, 24), torch.randn(t, 1, 24), torch.randn(t, 1, 24)
+    out = impl.forward(q, k, v, RadixAttention(2, 24, 24**-0.5, 1, 0), fb)
+    torch.testing.assert_close(out, _reference(q, pool, table, segments, 2, 1, 24), rtol=1e-5, atol=1e-5)

@@ -13,8 +13,9 @@ __all__ = ["AttentionBackend", "create_backend", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
-# auto: on CPU the fused C decode kernel when it builds here (else torch_native); on CUDA
-# torch_native. cpu: that kernel or a start-up error saying why it is unavailable.
+# auto: on CPU the fused C decode kernel when it builds here (else torch_native), with the C
+# extend kernel when that builds too (else SDPA for long extend segments); on CUDA
+# torch_native. cpu: the decode kernel or a start-up error saying why it is unavailable.
 BACKENDS = ATTENTION_BACKENDS
 
 
@@ -30,11 +31,18 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         raise ValueError(f"attention_backend 'cpu' needs device cpu, got {device.type}")
     from meshlm.scheduler.attention.cpu import CpuAttnBackend
     from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
+    from meshlm.scheduler.attention.extend_kernel import ExtendKernel, load_extend_kernel
 
     try:
-        return CpuAttnBackend(load_decode_kernel())
+        decode = load_decode_kernel()
     except KernelUnavailable as e:
         if name == "cpu":
             raise ValueError(f"attention_backend 'cpu' is unavailable: {e}") from e
         log.warning("CPU decode-attention kernel unavailable (%s); using torch_native", e)
         return TorchNativeAttnBackend()
+    extend: ExtendKernel | None = None
+    try:
+        extend = load_extend_kernel()
+    except KernelUnavailable as e:
+        log.info("CPU extend-attention kernel unavailable (%s); long extend segments use SDPA", e)
+    return CpuAttnBackend(decode, extend)

@@ -1,15 +1,16 @@
-"""The CPU attention backend: decode and short extend segments through the fused C kernel,
-long extend segments as torch_native.
+"""The CPU attention backend: decode and extend through our C kernels, over the pool in place.
 
 Decode is where a CPU server spends its attention time: every step each request reads its
 whole cached K and V. The torch path gathers those rows into a padded copy and runs SDPA over
-it (read, write, read again); the kernel (cpu_kernel.py, csrc/decode_attention.c) reads them
-in place through req_to_token, once. In an extend batch, a segment of at most
-KERNEL_EXTEND_MAX tokens (above all the one-token segments a mixed chunk adds for the running
-requests' decode step) goes through the same kernel: its query token a, at absolute position
-prefix + a, is a decode query over the first prefix + a + 1 slots of its request's row (the
-batch's new K/V are stored before anything is read). Longer segments keep torch's SDPA, which
-is a GEMM there. A pool whose dtype the kernel does not read (fp8) falls back to torch.
+it (read, write, read again); the decode kernel (cpu_kernel.py, csrc/decode_attention.c) reads
+them in place through req_to_token, once. In an extend batch (the batch's new K/V are stored
+before anything is read), a segment of at most KERNEL_EXTEND_MAX tokens (above all the
+one-token segments a mixed chunk adds for the running requests' decode step) goes through the
+same kernel: its query token a, at absolute position prefix + a, is a decode query over the
+first prefix + a + 1 slots of its request's row. Longer segments go through the extend kernel
+(extend_kernel.py, csrc/extend_attention.c: causal flash attention with GEMM-shaped tiles, all
+the segments of the batch in one call), or torch's SDPA where this build has no such kernel.
+A pool whose dtype the kernels do not read (fp8) falls back to torch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshlm.scheduler.attention.cpu_kernel import SUPPORTED_KV_DTYPES, DecodeKernel
+from meshlm.scheduler.attention.extend_kernel import ExtendKernel, ExtendSegments
 from meshlm.scheduler.attention.torch_native import ExtendMeta, TorchNativeAttnBackend, extend_meta
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardMode
 
@@ -29,7 +31,8 @@ if TYPE_CHECKING:
 
 
 # Extend segments of up to this many tokens attend through the decode kernel (one pass over
-# the prefix per token); longer ones through SDPA (one pass per segment, GEMM-shaped).
+# the prefix per token); longer ones through the extend kernel (one pass per block of queries,
+# GEMM-shaped).
 KERNEL_EXTEND_MAX = 8
 
 
@@ -42,21 +45,25 @@ class _FusedDecodeMeta:
 
 @dataclass
 class _SplitExtendMeta:
-    """An extend batch split between the kernel (short segments) and SDPA (long ones)."""
+    """An extend batch split between the decode kernel (short segments) and the extend kernel
+    or SDPA (long ones)."""
 
-    kernel_tokens: torch.Tensor | None  # [n] int64 batch rows attended by the kernel; None = all, in order
-    kernel: _FusedDecodeMeta  # per kernel token: its request's table row and visible length
-    sdpa: ExtendMeta  # the long segments
+    kernel_tokens: torch.Tensor | None  # [n] int64 batch rows attended by the decode kernel; None = all, in order
+    kernel: _FusedDecodeMeta | None  # per such token: its request's table row and visible length; None = none
+    long_segments: list[int]  # indices of fb's requests with longer segments
+    long: ExtendSegments | None  # those, in the extend kernel's terms (None when there are none)
+    sdpa: ExtendMeta | None = None  # those, in SDPA's terms: built at the first layer that needs them
 
 
-def split_extend(fb: ForwardBatch) -> _SplitExtendMeta | None:
-    """The split of fb's extend segments, or None when no segment is short enough."""
+def split_extend(fb: ForwardBatch) -> _SplitExtendMeta:
+    """The split of fb's extend segments by length."""
     assert fb.req_to_token_pool is not None
     rows = fb.req_pool_indices.tolist()
     tokens: list[int] = []
     tok_rows: list[int] = []
     tok_lens: list[int] = []
     long_segments: list[int] = []
+    long_starts: list[int] = []
     start = 0
     for i, (pre, n) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
         if n <= KERNEL_EXTEND_MAX:
@@ -65,33 +72,37 @@ def split_extend(fb: ForwardBatch) -> _SplitExtendMeta | None:
             tok_lens.extend(range(pre + 1, pre + n + 1))  # token a sees prefix + a + 1 slots
         else:
             long_segments.append(i)
+            long_starts.append(start)
         start += n
-    if not tokens:
-        return None
-    every = not long_segments  # then tokens == 0 .. T-1 in order
-    return _SplitExtendMeta(
-        None if every else torch.tensor(tokens, dtype=torch.int64),
-        _FusedDecodeMeta(
+    kernel = None
+    if tokens:
+        kernel = _FusedDecodeMeta(
             fb.req_to_token_pool.req_to_token,
             torch.tensor(tok_rows, dtype=torch.int64),
             torch.tensor(tok_lens, dtype=torch.int64),
-        ),
-        extend_meta(fb, long_segments),
-    )
+        )
+    long = None
+    if long_segments:
+        long = ExtendSegments.of(
+            [rows[i] for i in long_segments],
+            [fb.extend_prefix_lens_cpu[i] for i in long_segments],
+            long_starts,
+            [fb.extend_seq_lens_cpu[i] for i in long_segments],
+        )
+    every = not long_segments  # then tokens == 0 .. T-1 in order
+    return _SplitExtendMeta(None if every else torch.tensor(tokens, dtype=torch.int64), kernel, long_segments, long)
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
-    def __init__(self, kernel: DecodeKernel) -> None:
+    def __init__(self, kernel: DecodeKernel, extend_kernel: ExtendKernel | None) -> None:
         self.kernel = kernel
+        self.extend_kernel = extend_kernel
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
         kernel_ok = pool is not None and pool.dtype in SUPPORTED_KV_DTYPES and fb.out_cache_loc is not None
         if kernel_ok and fb.forward_mode is ForwardMode.EXTEND:
-            split = split_extend(fb)
-            if split is None:
-                return super().init_forward_metadata(fb)
-            fb.attn_metadata = split
+            fb.attn_metadata = split_extend(fb)
             return None
         if not (kernel_ok and fb.forward_mode.is_decode()):
             return super().init_forward_metadata(fb)
@@ -106,8 +117,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
     ) -> torch.Tensor:
         """Decode: one kernel call stores the new K/V and attends (no separate index_put).
-        Split extend: the batch's K/V stored, the short segments' tokens through the kernel,
-        the long segments through SDPA."""
+        Split extend: the batch's K/V stored, the short segments' tokens through the decode
+        kernel, the long segments through the extend kernel (or SDPA)."""
         meta, pool = fb.attn_metadata, fb.token_to_kv_pool
         if isinstance(meta, _SplitExtendMeta) and pool is not None and fb.out_cache_loc is not None:
             return self._split_extend(q, k, v, layer, fb, meta)
@@ -133,13 +144,26 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         km = meta.kernel
-        if meta.kernel_tokens is None:
+        if km is not None and meta.kernel_tokens is None:
             return self.kernel(q, k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling).to(q.dtype)
-        out = torch.empty_like(q)
-        part = self.kernel(
-            q.index_select(0, meta.kernel_tokens), k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling
-        )
-        out.index_copy_(0, meta.kernel_tokens, part.to(q.dtype))
+        h, d = q.shape[1], q.shape[2]
+        ext = self.extend_kernel
+        use_kernel = meta.long is not None and ext is not None and ext.supports(h, layer.num_kv_heads, d)
+        out = torch.empty(q.shape, dtype=torch.float32 if use_kernel else q.dtype)
+        if km is not None:
+            assert meta.kernel_tokens is not None
+            part = self.kernel(
+                q.index_select(0, meta.kernel_tokens), k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling
+            )
+            out.index_copy_(0, meta.kernel_tokens, part.to(out.dtype))
+        if meta.long is None:
+            return out
+        if use_kernel:
+            assert ext is not None and fb.req_to_token_pool is not None
+            table = fb.req_to_token_pool.req_to_token
+            return ext(q, k_buf, v_buf, table, meta.long, layer.scaling, out).to(q.dtype)
+        if meta.sdpa is None:
+            meta.sdpa = extend_meta(fb, meta.long_segments)
         return self.extend(q, k, v, k_buf, v_buf, layer, meta.sdpa, out)
 
     def decode(

@@ -18,8 +18,25 @@ from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 __all__ = ["DecodeKernel", "KernelUnavailable", "SUPPORTED_KV_DTYPES", "load_decode_kernel"]
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-SUPPORTED_KV_DTYPES = tuple(_KV_DTYPES)
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kv_dtype of the C kernels
+SUPPORTED_KV_DTYPES = tuple(KV_DTYPE_CODES)
+
+
+def check_pool(k_buf: torch.Tensor, v_buf: torch.Tensor, d: int) -> int:
+    """Raise ValueError unless k_buf / v_buf are CPU [slots, Hkv, d] buffers the kernels read
+    (same strides and dtype, heads d apart); returns Hkv."""
+    for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
+        if t.device.type != "cpu" or t.dtype not in KV_DTYPE_CODES or t.stride(2) != 1 or t.stride(1) != d:
+            raise ValueError(f"{name} must be a CPU [slots, Hkv, D] buffer of {SUPPORTED_KV_DTYPES}")
+    if k_buf.stride(0) != v_buf.stride(0) or k_buf.dtype != v_buf.dtype or k_buf.shape[2] != d:
+        raise ValueError("k_buf and v_buf must share shape, strides and dtype")
+    return k_buf.shape[1]
+
+
+def check_table(req_to_token: torch.Tensor) -> None:
+    """Raise ValueError unless req_to_token is an int64 CPU table with contiguous rows."""
+    if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1 or req_to_token.device.type != "cpu":
+        raise ValueError("req_to_token must be an int64 table with contiguous rows")
 
 
 class DecodeKernel:
@@ -81,14 +98,8 @@ class DecodeKernel:
         A row, length or slot out of range raises IndexError (checked in C before any KV is
         read or written)."""
         b, h, d = q.shape
-        hkv = k_buf.shape[1]
-        for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
-            if t.device.type != "cpu" or t.dtype not in _KV_DTYPES or t.stride(2) != 1 or t.stride(1) != d:
-                raise ValueError(f"{name} must be a CPU [slots, Hkv, D] buffer of {SUPPORTED_KV_DTYPES}")
-        if k_buf.stride(0) != v_buf.stride(0) or k_buf.dtype != v_buf.dtype or k_buf.shape[2] != d:
-            raise ValueError("k_buf and v_buf must share shape, strides and dtype")
-        if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1 or req_to_token.device.type != "cpu":
-            raise ValueError("req_to_token must be an int64 table with contiguous rows")
+        hkv = check_pool(k_buf, v_buf, d)
+        check_table(req_to_token)
         if q.dtype != torch.float32 or not self._rows_of_heads(q, h, d):
             q = q.to(torch.float32).contiguous()
         rows = rows.to(torch.int64).contiguous()
@@ -109,7 +120,7 @@ class DecodeKernel:
             q.stride(0),
             k_buf.data_ptr(),
             v_buf.data_ptr(),
-            _KV_DTYPES[k_buf.dtype],
+            KV_DTYPE_CODES[k_buf.dtype],
             k_buf.stride(0),
             k_buf.shape[0],
             req_to_token.data_ptr(),

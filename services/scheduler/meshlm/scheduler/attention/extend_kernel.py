@@ -1,0 +1,123 @@
+"""Load and call the CPU extend-attention kernel (csrc/extend_attention.c): causal attention of
+a batch's long extend segments over the paged pool, read in place (built like cpu_kernel.py's
+decode kernel: for this CPU at first use, cached)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshlm.scheduler.attention.cpu_kernel import KV_DTYPE_CODES, check_pool, check_table
+from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
+
+__all__ = ["ExtendKernel", "ExtendSegments", "load_extend_kernel"]
+
+SOURCE = Path(__file__).with_name("csrc") / "extend_attention.c"
+MAX_HEAD_DIM = 256  # head dims: multiples of 16 up to this (csrc/extend_attention.c)
+
+
+@dataclass(frozen=True)
+class ExtendSegments:
+    """The requests of an extend batch that the kernel attends, one entry per request (int64 [S]):
+    its row of req_to_token, cached tokens before its new ones, first row in the batch, and
+    number of new tokens (>= 1)."""
+
+    rows: torch.Tensor
+    prefix: torch.Tensor
+    starts: torch.Tensor
+    lens: torch.Tensor
+
+    @staticmethod
+    def of(rows: list[int], prefix: list[int], starts: list[int], lens: list[int]) -> ExtendSegments:
+        def t(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int64)
+
+        return ExtendSegments(t(rows), t(prefix), t(starts), t(lens))
+
+
+class ExtendKernel:
+    """ctypes binding of meshlm_extend_attention (see the C file for the layouts)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if not lib.meshlm_extend_attention_available():
+            raise KernelUnavailable("the extend-attention kernel needs AVX2 + FMA, which this build lacks")
+        i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn = lib.meshlm_extend_attention
+        fn.argtypes = [p, i64, i64, p, p, c_int, i64, i64, p, i64, i64, p, p, p, p, i64]
+        fn.argtypes += [c_int, c_int, c_int, ctypes.c_float, p, i64, c_int]
+        fn.restype = c_int
+        self._fn = fn
+
+    @staticmethod
+    def supports(heads: int, kv_heads: int, dim: int) -> bool:
+        """Whether the kernel takes this attention shape (else the caller uses SDPA)."""
+        return kv_heads > 0 and heads % kv_heads == 0 and dim % 16 == 0 and 0 < dim <= MAX_HEAD_DIM
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        req_to_token: torch.Tensor,
+        segments: ExtendSegments,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows of `out` [T, H, D] float32 of each segment = the causal attention of its query rows
+        of q [T, H, D] over its first prefix + a + 1 slots (query token a), with k_buf / v_buf
+        [slots, Hkv, D] read in place (the batch's new K/V already stored). Other rows of `out`
+        are untouched. A row, length or slot out of range raises IndexError (checked in C before
+        any KV is read)."""
+        t, h, d = q.shape
+        hkv = check_pool(k_buf, v_buf, d)
+        check_table(req_to_token)
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.to(torch.float32).contiguous()
+        if out.dtype != torch.float32 or out.shape != (t, h, d) or out.stride(2) != 1 or out.stride(1) != d:
+            raise ValueError(f"out must be float32 [{t}, {h}, {d}] with contiguous heads")
+        seg = [x.to(torch.int64).contiguous() for x in (segments.rows, segments.prefix, segments.starts, segments.lens)]
+        n = seg[0].shape[0]
+        if any(x.shape != (n,) for x in seg):
+            raise ValueError("segment rows, prefix, starts and lens must be [S] each")
+        rc = self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            t,
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            KV_DTYPE_CODES[k_buf.dtype],
+            k_buf.stride(0),
+            k_buf.shape[0],
+            req_to_token.data_ptr(),
+            req_to_token.shape[0],
+            req_to_token.stride(0),
+            *(x.data_ptr() for x in seg),
+            n,
+            h,
+            hkv,
+            d,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc == 1:
+            raise ValueError(f"extend kernel: unsupported heads/dim or segments (H={h}, Hkv={hkv}, D={d}, T={t})")
+        if rc == 3:
+            raise IndexError(
+                f"extend kernel: a segment's row, length or KV slot is out of range (rows "
+                f"{req_to_token.shape[0]} x {req_to_token.stride(0)}, KV slots {k_buf.shape[0]})"
+            )
+        if rc != 0:
+            raise MemoryError("extend kernel: scratch memory could not be allocated")
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_extend_kernel() -> ExtendKernel:
+    """The kernel for this machine, built on first use; raises KernelUnavailable with the reason."""
+    return ExtendKernel(load_library(SOURCE))

@@ -167,18 +167,12 @@ static void scratch_free(scratch_t *s) {
 typedef struct {
     int64_t seg, a0, a1; /* segment, query positions [a0, a1) */
     int g;               /* KV head */
-    int64_t keys;        /* keys the block sees: prefix + a1 (for ordering) */
 } item_t;
-
-static int by_keys_desc(const void *x, const void *y) {
-    const int64_t a = ((const item_t *)x)->keys, b = ((const item_t *)y)->keys;
-    return (a < b) - (a > b);
-}
 
 /* One work item: rows of positions [a0, a1) of a segment, KV head g. */
 static void attend_block(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
                          int64_t tok_stride, const int64_t *slots, int64_t pre, int64_t q0, int64_t a0, int64_t a1,
-                         int g, int H, int G, int D, int RS, float scale, float *out, int64_t out_stride,
+                         int g, int G, int D, int RS, float scale, float *out, int64_t out_stride,
                          scratch_t *s) {
     const int R = (int)(a1 - a0) * G;
     /* 1. queries: row r < R is position a0 + r / G, head g * G + r % G; rows >= R are zero and
@@ -307,7 +301,7 @@ int meshlm_extend_attention(const float *q, int64_t q_stride, int64_t T, const v
         for (int g = 0; g < Hkv; g++)
             for (int64_t a0 = (lens[s] - 1) / qb * qb; a0 >= 0; a0 -= qb) {
                 const int64_t a1 = a0 + qb < lens[s] ? a0 + qb : lens[s];
-                items[i++] = (item_t){s, a0, a1, g, prefix[s] + a1};
+                items[i++] = (item_t){s, a0, a1, g};
             }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -321,7 +315,7 @@ int meshlm_extend_attention(const float *q, int64_t q_stride, int64_t T, const v
             if (!ok) continue;
             const item_t *it = &items[t];
             attend_block(q, q_stride, k, v, kv_dtype, tok_stride, table + rows[it->seg] * table_stride,
-                         prefix[it->seg], starts[it->seg], it->a0, it->a1, it->g, H, G, D, RS, scale, out,
+                         prefix[it->seg], starts[it->seg], it->a0, it->a1, it->g, G, D, RS, scale, out,
                          out_stride, &s);
         }
         scratch_free(&s);

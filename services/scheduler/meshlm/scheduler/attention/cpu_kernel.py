@@ -33,6 +33,24 @@ def check_pool(k_buf: torch.Tensor, v_buf: torch.Tensor, d: int) -> int:
     return k_buf.shape[1]
 
 
+def raise_for_status(
+    rc: int, kernel: str, shape: str, unit: str, req_to_token: torch.Tensor, k_buf: torch.Tensor
+) -> None:
+    """Raise what a C kernel's return code means (the kernels share it): 1 unsupported `shape`
+    (ValueError), 3 a `unit`'s row, length or KV slot out of range (IndexError), other non-zero:
+    scratch memory (MemoryError)."""
+    if rc == 0:
+        return
+    if rc == 1:
+        raise ValueError(f"{kernel} kernel: unsupported {shape}")
+    if rc == 3:
+        raise IndexError(
+            f"{kernel} kernel: {unit}'s row, length or KV slot is out of range (rows "
+            f"{req_to_token.shape[0]} x {req_to_token.stride(0)}, KV slots {k_buf.shape[0]})"
+        )
+    raise MemoryError(f"{kernel} kernel: scratch memory could not be allocated")
+
+
 def check_table(req_to_token: torch.Tensor) -> None:
     """Raise ValueError unless req_to_token is an int64 CPU table with contiguous rows."""
     if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1 or req_to_token.device.type != "cpu":
@@ -137,15 +155,7 @@ class DecodeKernel:
             torch.get_num_threads(),
             *store,
         )
-        if rc == 1:
-            raise ValueError(f"decode kernel: unsupported heads/dim (H={h}, Hkv={hkv}, D={d})")
-        if rc == 3:
-            raise IndexError(
-                f"decode kernel: a request's row, length or KV slot is out of range (rows "
-                f"{req_to_token.shape[0]} x {req_to_token.stride(0)}, KV slots {k_buf.shape[0]})"
-            )
-        if rc != 0:
-            raise MemoryError("decode kernel: scratch memory could not be allocated")
+        raise_for_status(rc, "decode", f"heads/dim (H={h}, Hkv={hkv}, D={d})", "a request", req_to_token, k_buf)
         return out
 
 

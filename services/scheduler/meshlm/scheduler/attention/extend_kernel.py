@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from meshlm.scheduler.attention.cpu_kernel import KV_DTYPE_CODES, check_pool, check_table
+from meshlm.scheduler.attention.cpu_kernel import KV_DTYPE_CODES, check_pool, check_table, raise_for_status
 from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 
 __all__ = ["ExtendKernel", "ExtendSegments", "load_extend_kernel"]
@@ -105,15 +105,8 @@ class ExtendKernel:
             out.stride(0),
             torch.get_num_threads(),
         )
-        if rc == 1:
-            raise ValueError(f"extend kernel: unsupported heads/dim or segments (H={h}, Hkv={hkv}, D={d}, T={t})")
-        if rc == 3:
-            raise IndexError(
-                f"extend kernel: a segment's row, length or KV slot is out of range (rows "
-                f"{req_to_token.shape[0]} x {req_to_token.stride(0)}, KV slots {k_buf.shape[0]})"
-            )
-        if rc != 0:
-            raise MemoryError("extend kernel: scratch memory could not be allocated")
+        shape = f"heads/dim or segments (H={h}, Hkv={hkv}, D={d}, T={t})"
+        raise_for_status(rc, "extend", shape, "a segment", req_to_token, k_buf)
         return out
 
 

@@ -25,7 +25,6 @@
  * masked, and neither is ever stored. Scores use a finite floor (NEG) instead of -inf, since
  * the fast build assumes finite math.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -75,7 +75,7 @@ def linears_ms(runner: ModelRunner, rows: int, repeats: int) -> float:
     head = runner.model.logits_processor.packed_head
     if head is not None:
         mods.append((head, head.in_features))
-    xs = {k: torch.randn(rows, k) for k in {k for _, k in mods}}
+    xs = {k: torch.randn(rows, k).to(runner.dtype) for k in {k for _, k in mods}}
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed forwards per system and shape (default 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto (default float32)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,7 +106,7 @@ def main() -> None:
         mode: ModelRunner(
             mc,
             SchedulerConfig(
-                model_path=str(path), dtype="float32", fused_ops=mode, max_total_tokens=slots, load_progress=False
+                model_path=str(path), dtype=args.dtype, fused_ops=mode, max_total_tokens=slots, load_progress=False
             ),
         )
         for mode in ("torch", "auto")
@@ -121,7 +122,8 @@ def main() -> None:
     cases = [(f"decode b={b} ctx={args.context}", lambda r, b=b: decode_batch(r, b, args.context)) for b in batches]
     if args.prefill:
         cases.append((f"prefill {args.prefill} tokens", lambda r: prefill_batch(r, args.prefill)))
-    print(f"threads={torch.get_num_threads()}, float32, {path.name}")
+    dtype = runners["auto"].dtype
+    print(f"threads={torch.get_num_threads()}, {str(dtype).removeprefix('torch.')}, {path.name}")
     print(
         f"{'shape':28s} {'torch ms':>9s} {'auto ms':>9s} {'auto/torch':>10s} {'max|dlogit|':>11s} {'argmax':>7s}"
         f" {'linears ms':>10s} {'auto/linears':>12s}"

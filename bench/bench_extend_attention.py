@@ -28,13 +28,13 @@ from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, For
 
 
 def build(
-    batch: int, prompt: int, prefix: int, layers: int, heads: int, kv_heads: int, dim: int
+    batch: int, prompt: int, prefix: int, layers: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> tuple[ForwardBatch, list[RadixAttention]]:
     """An extend batch of `batch` requests of `prefix` cached + `prompt` new tokens each."""
     seq = prefix + prompt
-    pool = MHATokenToKVPool(batch * seq + 16, 1, torch.float32, kv_heads, dim, layers)
+    pool = MHATokenToKVPool(batch * seq + 16, 1, dtype, kv_heads, dim, layers)
     for buf in pool.k_buffer + pool.v_buffer:
-        buf.copy_(torch.randn(buf.shape))
+        buf.copy_(torch.randn(buf.shape).to(dtype))
     table = ReqToTokenPool(batch, seq + 1)
     slots = (torch.randperm(batch * seq) + 1).view(batch, seq)
     table.req_to_token[1 : batch + 1, :seq] = slots
@@ -58,7 +58,9 @@ def build(
 def time_pass(backend: CpuAttnBackend, fb: ForwardBatch, attn: list[RadixAttention], repeats: int) -> float:
     """Best-of-`repeats` seconds per layer of a full pass over all layers."""
     t, heads, kv_heads, dim = fb.input_ids.shape[0], attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim
-    q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    assert fb.token_to_kv_pool is not None
+    dt = fb.token_to_kv_pool.dtype
+    q, k, v = (torch.randn(t, n, dim).to(dt) for n in (heads, kv_heads, kv_heads))
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up
         backend.init_forward_metadata(fb)
@@ -80,6 +82,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="pool and q/k/v dtype")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,14 +91,16 @@ def main() -> None:
     kernel, sdpa = CpuAttnBackend(decode, load_extend_kernel()), CpuAttnBackend(decode, None)
     print(
         f"extend attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
-        f"float32, threads {torch.get_num_threads()}"
+        f"{args.dtype}, threads {torch.get_num_threads()}"
     )
     head = ("batch", 6), ("prompt", 7), ("prefix", 7), ("SDPA ms/layer", 14), ("kernel ms/layer", 16), ("GFLOP/s", 8)
     print(" ".join(f"{name:>{w}s}" for name, w in head) + f" {'ratio':>7s}")
     for b in args.batch:
         for n in args.prompt:
             for pre in args.prefix:
-                fb, attn = build(b, n, pre, args.layers, args.heads, args.kv_heads, args.head_dim)
+                fb, attn = build(
+                    b, n, pre, args.layers, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype)
+                )
                 t_sdpa = time_pass(sdpa, fb, attn, args.repeats)
                 t_kernel = time_pass(kernel, fb, attn, args.repeats)
                 visible = n * pre + n * (n + 1) / 2  # scores a request's queries see

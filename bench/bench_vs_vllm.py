@@ -170,7 +170,7 @@ def main() -> None:
     from meshlm.launch.engine_flags import add_engine_flags
     from meshlm.launch.launcher import free_port
     from meshlm.scheduler.config import SchedulerConfig
-    from meshlm.scheduler.model_executor.model_runner import cpu_has_native_bf16
+    from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
     from meshlm.scheduler.model_loader import resolve_model_path
 
     args.model_path = str(resolve_model_path(args.model_path))

@@ -138,3 +138,41 @@ def test_unsupported_head_dim_falls_back_to_sdpa() -> None:
     q, k, v = torch.randn(t, 2, 24), torch.randn(t, 1, 24), torch.randn(t, 1, 24)
     out = impl.forward(q, k, v, RadixAttention(2, 24, 24**-0.5, 1, 0), fb)
     torch.testing.assert_close(out, _reference(q, pool, table, segments, 2, 1, 24), rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_kv_dtypes_send_long_segments_to_sdpa() -> None:
+    """A pool dtype named in sdpa_kv_dtypes (bf16 where the CPU multiplies it natively) takes SDPA
+    for its long segments: the extend kernel is never called, and the result is still right."""
+    segments = [(5, LONG), (40, 1)]
+    fb, pool, table = _extend_batch(segments, 4, 2, 32, torch.bfloat16)
+    base = _cpu_backend(True)
+    calls: list[int] = []
+
+    class Spy:
+        supports = staticmethod(base.extend_kernel.supports)  # type: ignore[union-attr]
+
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return base.extend_kernel(*args, **kwargs)  # type: ignore[misc]
+
+    for sdpa_dtypes, want_calls in (((), 1), ((torch.bfloat16,), 0)):
+        calls.clear()
+        impl = CpuAttnBackend(base.kernel, Spy(), sdpa_dtypes)  # type: ignore[arg-type]
+        impl.init_forward_metadata(fb)
+        t = sum(n for _, n in segments)
+        q, k, v = (torch.randn(t, n, 32, dtype=torch.bfloat16) for n in (4, 2, 2))
+        out = impl.forward(q, k, v, RadixAttention(4, 32, 32**-0.5, 2, 0), fb)
+        assert len(calls) == want_calls
+        want = _reference(q, pool, table, segments, 4, 2, 32)
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_backend_sends_bf16_to_sdpa_only_with_native_bf16() -> None:
+    from meshlm.scheduler.attention import create_backend
+    from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
+
+    impl = create_backend("auto", torch.device("cpu"))
+    if not isinstance(impl, CpuAttnBackend):
+        pytest.skip("no C compiler")
+    assert (torch.bfloat16 in impl.sdpa_kv_dtypes) == cpu_has_native_bf16()
+    assert torch.float32 not in impl.sdpa_kv_dtypes

@@ -129,3 +129,44 @@ def test_unsupported_tensors_take_the_torch_path(ops: CpuOps) -> None:
     assert not ops.supports(torch.randn(8, 3).t())  # rows not contiguous
     with pytest.raises(ValueError, match="weight must be a contiguous"):
         ops.add_rmsnorm(torch.randn(2, 8), None, torch.ones(4), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 63), (5, 64), (64, 49152), (2, 1000)])
+def test_argmax_equals_torch(ops: CpuOps, dtype: torch.dtype, rows: int, vocab: int) -> None:
+    torch.manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab).to(dtype)
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    # Strided rows (a view of wider logits, as after slicing off padded vocab).
+    wide = torch.randn(rows, vocab + 7).to(dtype)
+    assert torch.equal(ops.argmax(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_edge_values_as_torch(ops: CpuOps, dtype: torch.dtype) -> None:
+    """Ties take the first index, -inf (masked tokens) and -0 / +0 compare as values, a NaN is
+    the maximum and the first NaN wins: what torch.argmax returns."""
+    inf, nan = float("inf"), float("nan")
+    rows = [
+        [1.0, 3.0, 3.0, 2.0],  # tie: first
+        [-inf, -inf, -5.0, -inf],  # a grammar mask's -inf
+        [-inf, -inf, -inf, -inf],  # all masked: the first
+        [-0.0, 0.0, -1.0, -0.0],  # -0 == +0: the first
+        [1.0, nan, 5.0, nan],  # the first NaN
+        [inf, 1.0, inf, 2.0],
+    ]
+    x = torch.tensor(rows).to(dtype)
+    want = x.argmax(dim=-1)
+    assert ops.argmax(x).tolist() == want.tolist()
+    # The same values far into a long row: the block scan keeps the first occurrence.
+    long = torch.full((2, 500), -1.0).to(dtype)
+    long[0, 130], long[0, 300], long[1, 64], long[1, 499] = 7.0, 7.0, nan, nan
+    assert ops.argmax(long).tolist() == long.argmax(dim=-1).tolist() == [130, 64]
+    assert ops.argmax(torch.empty(0, 5, dtype=dtype)).shape == (0,)
+
+
+def test_argmax_rejects_what_it_cannot_read(ops: CpuOps) -> None:
+    for bad in (torch.zeros(4), torch.zeros(2, 3, dtype=torch.float16), torch.zeros(2, 0), torch.zeros(3, 4).t()):
+        assert not ops.supports_argmax(bad)
+        with pytest.raises(ValueError, match="argmax needs"):
+            ops.argmax(bad)

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from meshlm.scheduler.model_executor.model_runner import cpu_flags, cpu_has_native_bf16, resolve_dtype
+from meshlm.scheduler.kernels.cpu_features import cpu_flags, cpu_has_native_bf16
+from meshlm.scheduler.model_executor.model_runner import resolve_dtype
 
 CPU = torch.device("cpu")
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})

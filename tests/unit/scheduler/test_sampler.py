@@ -15,7 +15,23 @@ from meshlm.scheduler.sampling import Sampler, compute_logprobs
 from meshlm.scheduler.sampling.sampler import TOP_P_CANDIDATES
 
 
-def test_greedy_equals_argmax() -> None:
+def _samplers() -> list[Sampler]:
+    """The plain sampler and the one a CPU worker builds (the C argmax of kernels/cpu_ops.py)."""
+    from meshlm.scheduler.kernels.build import KernelUnavailable
+    from meshlm.scheduler.kernels.cpu_ops import load_cpu_ops
+
+    try:
+        ops = load_cpu_ops()
+    except KernelUnavailable:  # pragma: no cover - the CI machine has gcc
+        return [Sampler()]
+    return [Sampler(), Sampler(ops.argmax, ops.supports_argmax)]
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_greedy_equals_argmax(which: int) -> None:
+    samplers = _samplers()
+    if which >= len(samplers):
+        pytest.skip("no C compiler")
     torch.manual_seed(6)
     logits = torch.randn(6, V)
     logits[0, :4] = 3.0  # ties: argmax picks the first index
@@ -29,7 +45,7 @@ def test_greedy_equals_argmax() -> None:
     ]
     for batch in (reqs, [reqs[0], reqs[1], reqs[4]]):
         n = len(batch)
-        out = Sampler()(logits[:n].clone(), info_for(batch), positions=[0] * n)
+        out = samplers[which](logits[:n].clone(), info_for(batch), positions=[0] * n)
         greedy = [i for i, r in enumerate(batch) if r.sampling_params.is_greedy]
         assert torch.equal(out.next_token_ids[greedy], logits[:n].argmax(-1)[greedy])
     assert info_for([reqs[0], reqs[1]]).is_all_greedy

@@ -14,8 +14,9 @@ __all__ = ["AttentionBackend", "create_backend", "BACKENDS"]
 log = logging.getLogger(__name__)
 
 # auto: on CPU the fused C decode kernel when it builds here (else torch_native), with the C
-# extend kernel when that builds too (else SDPA for long extend segments); on CUDA
-# torch_native. cpu: the decode kernel or a start-up error saying why it is unavailable.
+# extend kernel when that builds too (else SDPA for long extend segments; SDPA also for bf16
+# pools on CPUs with native bf16, where it is faster); on CUDA torch_native. cpu: the decode
+# kernel or a start-up error saying why it is unavailable.
 BACKENDS = ATTENTION_BACKENDS
 
 
@@ -32,6 +33,7 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
     from meshlm.scheduler.attention.cpu import CpuAttnBackend
     from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
     from meshlm.scheduler.attention.extend_kernel import ExtendKernel, load_extend_kernel
+    from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
 
     try:
         decode = load_decode_kernel()
@@ -45,4 +47,4 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         extend = load_extend_kernel()
     except KernelUnavailable as e:
         log.info("CPU extend-attention kernel unavailable (%s); long extend segments use SDPA", e)
-    return CpuAttnBackend(decode, extend)
+    return CpuAttnBackend(decode, extend, (torch.bfloat16,) if cpu_has_native_bf16() else ())

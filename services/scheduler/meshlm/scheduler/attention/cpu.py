@@ -94,9 +94,21 @@ def split_extend(fb: ForwardBatch) -> _SplitExtendMeta:
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
-    def __init__(self, kernel: DecodeKernel, extend_kernel: ExtendKernel | None) -> None:
+    """`sdpa_kv_dtypes`: pool dtypes whose long extend segments go to torch's SDPA even where the
+    extend kernel builds. The kernel computes in float32 FMAs; on a CPU with native bf16 (AMX,
+    AVX512-BF16) SDPA's flash attention multiplies bf16 tiles natively and is 2-2.8x faster on a
+    bf16 pool (`python bench/bench_extend_attention.py --dtype bfloat16`, 2-core AMX Xeon), so
+    create_backend names bfloat16 there."""
+
+    def __init__(
+        self,
+        kernel: DecodeKernel,
+        extend_kernel: ExtendKernel | None,
+        sdpa_kv_dtypes: tuple[torch.dtype, ...] = (),
+    ) -> None:
         self.kernel = kernel
         self.extend_kernel = extend_kernel
+        self.sdpa_kv_dtypes = sdpa_kv_dtypes
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
@@ -148,7 +160,12 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return self.kernel(q, k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling).to(q.dtype)
         h, d = q.shape[1], q.shape[2]
         ext = self.extend_kernel
-        use_kernel = meta.long is not None and ext is not None and ext.supports(h, layer.num_kv_heads, d)
+        use_kernel = (
+            meta.long is not None
+            and ext is not None
+            and k_buf.dtype not in self.sdpa_kv_dtypes
+            and ext.supports(h, layer.num_kv_heads, d)
+        )
         out = torch.empty(q.shape, dtype=torch.float32 if use_kernel else q.dtype)
         if km is not None:
             assert meta.kernel_tokens is not None

@@ -41,7 +41,9 @@ class CpuOps:
         self._rope.argtypes = [p, c_int, i64, i64, c_int, c_int, c_int, p, p, p, i64, c_int]
         self._silu = lib.meshlm_silu_mul
         self._silu.argtypes = [p, p, c_int, i64, c_int, i64, i64, c_int]
-        for fn in (self._norm, self._rope, self._silu):
+        self._argmax = lib.meshlm_argmax_rows
+        self._argmax.argtypes = [p, c_int, i64, i64, i64, p, c_int]
+        for fn in (self._norm, self._rope, self._silu, self._argmax):
             fn.restype = c_int
 
     @staticmethod
@@ -143,6 +145,22 @@ class CpuOps:
         if rc:
             raise ValueError(f"silu_mul: unsupported width {two_i}")
         return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of a [T, V] float32 / bf16 CPU tensor with contiguous rows (the
+        first index of each row's maximum; a NaN counts as the maximum): int64 [T]. The greedy
+        step's argmax over [batch, vocab] logits, on every core (torch runs it on one)."""
+        if not self.supports_argmax(x):
+            raise ValueError(f"argmax needs [T, V >= 1] float32/bfloat16 CPU rows, got {x.dtype} {tuple(x.shape)}")
+        t, v = x.shape
+        out = torch.empty(t, dtype=torch.int64)
+        if t:
+            self._argmax(x.data_ptr(), _DTYPES[x.dtype], t, v, x.stride(0), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    @staticmethod
+    def supports_argmax(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in _DTYPES and _rows(x) and x.shape[1] >= 1
 
 
 @functools.lru_cache(maxsize=1)

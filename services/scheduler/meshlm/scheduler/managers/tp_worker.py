@@ -28,7 +28,8 @@ class GenerationBatchResult:
 class TpModelWorker:
     def __init__(self, model_config: ModelConfig, config: SchedulerConfig, tp: TpGroup = SINGLE) -> None:
         self.model_runner = ModelRunner(model_config, config, tp)
-        self.sampler = Sampler()
+        ops = self.model_runner.cpu_ops
+        self.sampler = Sampler(ops.argmax, ops.supports_argmax) if ops is not None else Sampler()
 
     def forward_batch_generation(self, batch: ScheduleBatch, fb: ForwardBatch) -> GenerationBatchResult:
         t0 = time.perf_counter()

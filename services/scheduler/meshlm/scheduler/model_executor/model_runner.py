@@ -20,7 +20,8 @@ import torch
 from meshlm.scheduler.attention import create_backend
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
-from meshlm.scheduler.kernels.cpu_ops import cpu_ops_or_none
+from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
+from meshlm.scheduler.kernels.cpu_ops import CpuOps, cpu_ops_or_none
 from meshlm.scheduler.kernels.gemv import GemvOps, gemv_ops_or_none
 from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_supported
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -43,28 +44,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 math
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo is unreadable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
-    """True on CPUs that multiply bf16 natively (AVX512-BF16 or AMX): there a bf16 GEMM runs
-    several times faster than fp32. Elsewhere bf16 is emulated and slower than fp32."""
-    flags = cpu_flags() if flags is None else flags
-    return any(f in flags for f in NATIVE_BF16_CPU_FLAGS)
 
 
 def resolve_dtype(
@@ -98,6 +77,7 @@ class ModelRunner:
         if self.device.type == "cuda" and tp.size > 1:
             self.device = torch.device("cuda", tp.rank)  # one pod per TP group: rank r owns GPU r
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        self.cpu_ops: CpuOps | None = None  # the fused C ops, on CPU with fused_ops=auto
         logger.info(
             "dtype %s (%s)",
             str(self.dtype).removeprefix("torch."),
@@ -138,6 +118,7 @@ class ModelRunner:
         ops = cpu_ops_or_none()
         if ops is None:
             return
+        self.cpu_ops = ops
         n = 0
         for module in self.model.modules():
             if hasattr(module, "cpu_ops"):

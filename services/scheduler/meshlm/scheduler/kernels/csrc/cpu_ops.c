@@ -11,9 +11,12 @@
  *   rope_neox    q and k heads of a packed qkv row rotated in place by their position
  *                (HF "rotate_half" layout: dims i and i + D/2 form a pair)
  *   silu_mul     out[t, i] = silu(gu[t, i]) * gu[t, I + i] for a merged [gate | up] row of 2I
+ *   argmax_rows  out[t] = the first index of row t's largest value (a NaN counts as the largest,
+ *                and the first NaN wins), as torch.argmax: greedy sampling over the logits
  */
 #include <math.h>
 #include <stdint.h>
+#include <limits.h>
 #include <string.h>
 
 #define PAR_MIN_ELEMS (1 << 16) /* below this many elements a single thread is faster */
@@ -129,5 +132,65 @@ int meshlm_silu_mul(const void *gu, void *out, int dtype, int64_t T, int I, int6
             store(out, dtype, t * o_stride, I, g);
         }
     }
+    return 0;
+}
+
+/* Floats compared as integers: the build's -ffast-math lets the compiler assume there are no
+ * NaNs or infinities, and logits hold both (a grammar mask writes -inf). key() orders every
+ * non-NaN float as its value does (-0 as +0); NaNs are found from their bits. */
+static inline int32_t key(uint32_t u) {
+    u = u == 0x80000000u ? 0u : u;
+    return (int32_t)(u ^ ((uint32_t)((int32_t)u >> 31) >> 1));
+}
+
+static inline int is_nan(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+/* The first index of the largest value of x[off .. off + n), or of its first NaN. Blocks of
+ * ARGMAX_BLOCK keep a running max per lane; only a block that raises the maximum (or holds a
+ * NaN) is scanned in order, so the first occurrence wins. */
+#define ARGMAX_BLOCK 64
+static int64_t argmax_row(const void *base, int dtype, int64_t off, int64_t n) {
+    int32_t best = 0;
+    int64_t at = -1;
+    uint32_t u[ARGMAX_BLOCK];
+    for (int64_t i0 = 0; i0 < n; i0 += ARGMAX_BLOCK) {
+        const int m = n - i0 < ARGMAX_BLOCK ? (int)(n - i0) : ARGMAX_BLOCK;
+        if (dtype == 0) {
+            memcpy(u, (const uint32_t *)base + off + i0, (size_t)m * sizeof(uint32_t));
+        } else {
+            const uint16_t *p = (const uint16_t *)base + off + i0;
+#pragma omp simd
+            for (int i = 0; i < m; i++) u[i] = (uint32_t)p[i] << 16;
+        }
+        int32_t bmax = INT32_MIN;
+        int nan = 0;
+#pragma omp simd reduction(max : bmax) reduction(| : nan)
+        for (int i = 0; i < m; i++) {
+            const int32_t k = key(u[i]);
+            bmax = k > bmax ? k : bmax;
+            nan |= is_nan(u[i]);
+        }
+        if (nan) {
+            for (int i = 0; i < m; i++)
+                if (is_nan(u[i])) return i0 + i;
+        }
+        if (at < 0 || bmax > best) {
+            for (int i = 0; i < m; i++)
+                if (key(u[i]) == bmax) {
+                    at = i0 + i;
+                    break;
+                }
+            best = bmax;
+        }
+    }
+    return at;
+}
+
+int meshlm_argmax_rows(const void *x, int dtype, int64_t T, int64_t V, int64_t stride, int64_t *out,
+                       int num_threads) {
+    if (V <= 0) return 1;
+    const int par = T * V >= PAR_MIN_ELEMS && T > 1 ? num_threads : 1;
+#pragma omp parallel for num_threads(par) schedule(static)
+    for (int64_t t = 0; t < T; t++) out[t] = argmax_row(x, dtype, t * stride, V);
     return 0;
 }

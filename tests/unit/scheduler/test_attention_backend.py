@@ -184,3 +184,31 @@ def test_auto_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPatch, tmp
             create_backend("cpu", torch.device("cpu"))
     finally:
         load_decode_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80])
+def test_cpu_kernel_bf16_query_and_output(dim: int) -> None:
+    """A bf16 query over a bf16 pool (the AVX512-BF16 dot path where the CPU has it, for D 64 and
+    128; the converting path otherwise) gives what a float32 query of the same values gives,
+    and out_dtype bf16 is that result rounded once."""
+    kernel = _cpu_backend().kernel
+    torch.manual_seed(1)
+    heads, kv_heads, lens = 6, 2, [5, 300, 33]
+    pool = MHATokenToKVPool(sum(lens) + 8, 1, torch.bfloat16, kv_heads, dim, 1)
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape))
+    table = ReqToTokenPool(len(lens) + 1, max(lens) + 1)
+    perm, at = torch.randperm(sum(lens)) + 1, 0
+    for i, n in enumerate(lens):
+        table.req_to_token[i + 1, :n] = perm[at : at + n]
+        at += n
+    q = torch.randn(len(lens), heads, dim).bfloat16()
+    args = (pool.k_buffer[0], pool.v_buffer[0], table.req_to_token, torch.arange(1, 4), torch.tensor(lens), dim**-0.5)
+    want = kernel(q.float(), *args)
+    got = kernel(q, *args)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    rounded = kernel(q, *args, out_dtype=torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
+    with pytest.raises(ValueError, match="out_dtype"):
+        kernel(q, *args, out_dtype=torch.float16)

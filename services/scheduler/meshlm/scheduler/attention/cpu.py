@@ -137,8 +137,17 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if not isinstance(meta, _FusedDecodeMeta) or pool is None or k.dtype != pool.dtype or fb.out_cache_loc is None:
             return super().forward(q, k, v, layer, fb)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        out_dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
         out = self.kernel(
-            q, k_buf, v_buf, meta.req_to_token, meta.rows, meta.lens, layer.scaling, new_kv=(k, v, fb.out_cache_loc)
+            q,
+            k_buf,
+            v_buf,
+            meta.req_to_token,
+            meta.rows,
+            meta.lens,
+            layer.scaling,
+            new_kv=(k, v, fb.out_cache_loc),
+            out_dtype=out_dtype,
         )
         return out.to(q.dtype)
 

@@ -20,6 +20,7 @@ __all__ = ["DecodeKernel", "KernelUnavailable", "SUPPORTED_KV_DTYPES", "load_dec
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kv_dtype of the C kernels
 SUPPORTED_KV_DTYPES = tuple(KV_DTYPE_CODES)
+Q_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q_dtype / out_dtype of the decode kernel
 
 
 def check_pool(k_buf: torch.Tensor, v_buf: torch.Tensor, d: int) -> int:
@@ -66,6 +67,7 @@ class DecodeKernel:
         i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         fn.argtypes = [
             p,
+            c_int,
             i64,
             p,
             p,
@@ -83,6 +85,7 @@ class DecodeKernel:
             c_int,
             ctypes.c_float,
             p,
+            c_int,
             c_int,
             p,
             i64,
@@ -108,18 +111,24 @@ class DecodeKernel:
         lens: torch.Tensor,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """Attention of q [B, H, D] (one token per request) over the first lens[b] slots of
-        req_to_token[rows[b]], reading k_buf/v_buf [slots, Hkv, D] in place. Returns [B, H, D]
-        float32. With new_kv = (k [B, Hkv, D], v [B, Hkv, D], loc [B]) in the pool's dtype,
-        request b first writes its new K/V into slot loc[b] (the store of the decode step).
-        A row, length or slot out of range raises IndexError (checked in C before any KV is
-        read or written)."""
+        """Attention of q [B, H, D] (one token per request; float32 or bfloat16, any other dtype
+        is converted to float32) over the first lens[b] slots of req_to_token[rows[b]], reading
+        k_buf/v_buf [slots, Hkv, D] in place. Returns [B, H, D] of out_dtype (float32 or
+        bfloat16; computed in float32, rounded once). With new_kv = (k [B, Hkv, D],
+        v [B, Hkv, D], loc [B]) in the pool's dtype, request b first writes its new K/V into
+        slot loc[b] (the store of the decode step). A row, length or slot out of range raises
+        IndexError (checked in C before any KV is read or written)."""
         b, h, d = q.shape
         hkv = check_pool(k_buf, v_buf, d)
         check_table(req_to_token)
-        if q.dtype != torch.float32 or not self._rows_of_heads(q, h, d):
-            q = q.to(torch.float32).contiguous()
+        if q.dtype not in Q_DTYPE_CODES:
+            q = q.to(torch.float32)
+        if not self._rows_of_heads(q, h, d):
+            q = q.contiguous()
+        if out_dtype not in Q_DTYPE_CODES:
+            raise ValueError(f"out_dtype must be one of {tuple(Q_DTYPE_CODES)}, got {out_dtype}")
         rows = rows.to(torch.int64).contiguous()
         lens = lens.to(torch.int64).contiguous()
         store: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
@@ -132,9 +141,10 @@ class DecodeKernel:
             if loc.shape != (b,):
                 raise ValueError(f"loc must be [{b}], got {tuple(loc.shape)}")
             store = (nk.data_ptr(), nk.stride(0), nv.data_ptr(), nv.stride(0), loc.data_ptr())
-        out = torch.empty((b, h, d), dtype=torch.float32)
+        out = torch.empty((b, h, d), dtype=out_dtype)
         rc = self._fn(
             q.data_ptr(),
+            Q_DTYPE_CODES[q.dtype],
             q.stride(0),
             k_buf.data_ptr(),
             v_buf.data_ptr(),
@@ -152,6 +162,7 @@ class DecodeKernel:
             d,
             scale,
             out.data_ptr(),
+            Q_DTYPE_CODES[out_dtype],
             torch.get_num_threads(),
             *store,
         )

@@ -11,8 +11,13 @@ work. Each linear's weight is therefore held in a ready layout:
     else a dense copy. Batches of a few rows stream it through the GEMV kernels; for blocks,
     batches up to GEMM_MAX_ROWS go through the block GEMM (kernels/gemm_q.py), which reads them
     in 16-column panels (0.75 / 1.125 byte a weight where oneDNN streams 4).
+  * in bfloat16, when the float32 checkpoint weight is handed over (ModelRunner loads a float32
+    checkpoint in float32 for this, then casts the rest of the model) and holds GGUF blocks:
+    batches of up to BF16_GEMV_MAX_ROWS rows go through the bf16 block GEMV
+    (kernels/gemv_bf16.py), over the checkpoint's exact weights.
 
-Results equal F.linear up to summation order (the blocks reproduce the weights bit for bit).
+Results equal F.linear up to summation order (the blocks reproduce the weights bit for bit);
+in bf16, oneDNN multiplies the weights rounded to bf16 and the block GEMV the exact ones.
 """
 
 from __future__ import annotations
@@ -26,15 +31,20 @@ import torch
 from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
 from meshlm.scheduler.kernels.gemm_q import GEMM_MAX_ROWS, GEMV_MAX_ROWS_BESIDE_GEMM, QPanelWeight, gemm_q_ops_or_none
 from meshlm.scheduler.kernels.gemv import MAX_ROWS
+from meshlm.scheduler.kernels.gemv_bf16 import FORMATS as BF16_BLOCK_FORMATS
 
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemv import GemvOps, GemvWeight
+    from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
 
 log = logging.getLogger(__name__)
 
 PACK_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks the blocked layout for a typical row count: decode batches are tens of rows.
 BATCH_HINT = 64
+# Up to this many bf16 rows the bf16 block GEMV beats oneDNN's bf16 GEMM over all of SmolLM2's
+# weights, cold (2-core AMX Xeon): 0.43x the time at 1 row, 0.52 at 2, 0.67 at 4, 1.13 at 8.
+BF16_GEMV_MAX_ROWS = 4
 
 
 def prepack_supported() -> bool:
@@ -59,14 +69,18 @@ def try_pack(
     bias: torch.Tensor | None,
     gemv_ops: GemvOps | None = None,
     checks: PackChecks | None = None,
+    dtype: torch.dtype | None = None,
+    gemv_bf16: BlockGemvBf16 | None = None,
 ) -> PackedLinear | None:
     """A checked PackedLinear, or None where this torch build or CPU cannot pack `weight`
     (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees.
-    With `checks`, a layout already checked in this pass is not checked again."""
-    if not prepack_supported() or weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES:
+    With `checks`, a layout already checked in this pass is not checked again. `dtype`: the
+    model's (default: the weight's)."""
+    dtype = dtype or weight.dtype
+    if not prepack_supported() or weight.device.type != "cpu" or dtype not in PACK_DTYPES:
         return None
     try:
-        packed = PackedLinear(weight, bias, gemv_ops=gemv_ops)
+        packed = PackedLinear(weight, bias, gemv_ops=gemv_ops, dtype=dtype, gemv_bf16=gemv_bf16)
     except RuntimeError as e:
         log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, e)
         return None
@@ -90,6 +104,10 @@ class PackedLinear:
     W is held for them in the smallest exact format (`small`). When that format is GGUF blocks
     and the block GEMM runs here, batches up to GEMM_MAX_ROWS use it (`blocks`, 16-column
     panels); larger ones, and every batch of any other weight, oneDNN's prepacked weight.
+
+    With dtype bfloat16, a float32 `weight` (the checkpoint's values) and `gemv_bf16`, a weight
+    that is GGUF blocks keeps them (`small`) for bf16 batches of up to BF16_GEMV_MAX_ROWS rows;
+    oneDNN gets the weight rounded to bf16.
     """
 
     def __init__(
@@ -98,13 +116,16 @@ class PackedLinear:
         bias: torch.Tensor | None,
         batch_hint: int = BATCH_HINT,
         gemv_ops: GemvOps | None = None,
+        dtype: torch.dtype | None = None,
+        gemv_bf16: BlockGemvBf16 | None = None,
     ) -> None:
-        if weight.device.type != "cpu" or weight.dtype not in PACK_DTYPES or weight.dim() != 2:
+        dtype = dtype or weight.dtype
+        if weight.device.type != "cpu" or dtype not in PACK_DTYPES or weight.dim() != 2:
             raise ValueError(f"PackedLinear needs a 2-D CPU weight of {PACK_DTYPES}")
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
-        self.bias = None if bias is None else bias.detach().contiguous()
-        use_gemv = gemv_ops is not None and weight.dtype == torch.float32
+        self.dtype = dtype
+        self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
+        use_gemv = gemv_ops is not None and dtype == torch.float32
         self.gemv_ops = gemv_ops if use_gemv else None
         self.small: GemvWeight | None = gemv_ops.build(weight) if use_gemv and gemv_ops is not None else None
         self.gemm_ops = gemm_q_ops_or_none() if self.small is not None and self.small.format in BLOCK_FORMATS else None
@@ -113,12 +134,25 @@ class PackedLinear:
         if self.gemm_ops is not None and self.small is not None:
             self.blocks = QPanelWeight.from_gemv(self.small)
             self.gemv_rows = min(self.gemv_rows, GEMV_MAX_ROWS_BESIDE_GEMM)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+        self.gemv_bf16: BlockGemvBf16 | None = None
+        self.bias_f32: torch.Tensor | None = None
+        if dtype == torch.bfloat16 and weight.dtype == torch.float32 and gemv_bf16 is not None and gemv_ops is not None:
+            try:
+                self.small = gemv_ops.build(weight, BF16_BLOCK_FORMATS)
+            except ValueError:  # not GGUF blocks: oneDNN takes every batch
+                self.small = None
+            if self.small is not None:
+                self.gemv_bf16, self.gemv_rows = gemv_bf16, BF16_GEMV_MAX_ROWS
+                self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             lead = x.shape[:-1]
             return self(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
+        bf16_rows = x.dtype == torch.bfloat16 and 0 < x.shape[0] <= self.gemv_rows
+        if self.gemv_bf16 is not None and self.small is not None and bf16_rows:
+            return self.gemv_bf16.gemv(x if x.stride(1) == 1 else x.contiguous(), self.small, self.bias_f32)
         if self.gemv_ops is not None and self.small is not None and x.dtype == torch.float32 and x.shape[0] > 0:
             rows = x if x.stride(1) == 1 else x.contiguous()
             if x.shape[0] <= self.gemv_rows:
@@ -130,7 +164,8 @@ class PackedLinear:
     def layout(self) -> tuple[object, ...]:
         """What decides which kernels run and how (see PackChecks)."""
         fmt = self.small.format if self.small is not None else None
-        return (self.out_features, self.in_features, self.dtype, fmt, self.blocks is not None, self.bias is not None)
+        kernels = (self.blocks is not None, self.gemv_bf16 is not None)
+        return (self.out_features, self.in_features, self.dtype, fmt, kernels, self.bias is not None)
 
     def matches(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Self-check against F.linear on random rows (a build whose oneDNN misbehaves on this
@@ -139,9 +174,9 @@ class PackedLinear:
         gen = torch.Generator().manual_seed(0)
         tol = 1e-3 if self.dtype == torch.float32 else 5e-2
         small = self.gemv_rows if self.small is not None else MAX_ROWS["f32"]
-        for rows in (small - 1, 2 * small + 1, 64 + 5):  # every path; partial micro-panels
+        for rows in (max(small - 1, 1), small, 2 * small + 1, 64 + 5):  # every path; partial micro-panels
             x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
-            want = torch.nn.functional.linear(x, weight, bias).float()
+            want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
             got = self(x).float()
             scale = float(want.abs().nan_to_num(0.0, 0.0, 0.0).max().clamp(min=1))  # finite outputs only
             if not torch.allclose(got, want, rtol=tol, atol=tol * scale, equal_nan=True):
@@ -150,16 +185,21 @@ class PackedLinear:
 
 
 def prepack_weight(
-    module: torch.nn.Module, with_bias: bool, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None
+    module: torch.nn.Module,
+    with_bias: bool,
+    gemv_ops: GemvOps | None = None,
+    checks: PackChecks | None = None,
+    dtype: torch.dtype | None = None,
+    gemv_bf16: BlockGemvBf16 | None = None,
 ) -> PackedLinear | None:
-    """A PackedLinear of `module.weight` (and its bias if with_bias); the module's parameter is
-    then an empty tensor of its dtype (the PackedLinear holds a small-batch copy of the weight
-    only where it streams it for small batches). None when this torch build or CPU cannot (the module keeps its dense
-    weight)."""
+    """A PackedLinear of `module.weight` (and its bias if with_bias) for a model of `dtype`
+    (default: the weight's); the module's parameter is then an empty tensor of that dtype (the
+    PackedLinear holds a small-batch copy of the weight only where it streams it for small
+    batches). None when this torch build or CPU cannot (the module keeps its dense weight)."""
     weight, bias = module.weight, module.bias if with_bias else None
     assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
-    packed = try_pack(weight, bias, gemv_ops, checks)
+    packed = try_pack(weight, bias, gemv_ops, checks, dtype, gemv_bf16)
     if packed is None:
         return None
-    module.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+    module.weight = torch.nn.Parameter(torch.empty(0, dtype=packed.dtype), requires_grad=False)
     return packed

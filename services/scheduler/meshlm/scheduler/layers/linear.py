@@ -20,6 +20,7 @@ from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_w
 
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemv import GemvOps
+    from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -63,8 +64,14 @@ class ColumnParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[0])
         _copy_into(param.data, loaded.narrow(0, start, n), "column-parallel")
 
-    def prepack(self, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None) -> bool:
-        self.packed = prepack_weight(self, with_bias=True, gemv_ops=gemv_ops, checks=checks)
+    def prepack(
+        self,
+        gemv_ops: GemvOps | None = None,
+        checks: PackChecks | None = None,
+        dtype: torch.dtype | None = None,
+        gemv_bf16: BlockGemvBf16 | None = None,
+    ) -> bool:
+        self.packed = prepack_weight(self, True, gemv_ops, checks, dtype, gemv_bf16)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +110,14 @@ class RowParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[1])
         _copy_into(param.data, loaded.narrow(1, start, n), "row-parallel")
 
-    def prepack(self, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None) -> bool:
-        self.packed = prepack_weight(self, with_bias=False, gemv_ops=gemv_ops, checks=checks)
+    def prepack(
+        self,
+        gemv_ops: GemvOps | None = None,
+        checks: PackChecks | None = None,
+        dtype: torch.dtype | None = None,
+        gemv_bf16: BlockGemvBf16 | None = None,
+    ) -> bool:
+        self.packed = prepack_weight(self, False, gemv_ops, checks, dtype, gemv_bf16)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

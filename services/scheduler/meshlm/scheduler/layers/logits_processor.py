@@ -18,6 +18,7 @@ from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, try_pack
 
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemv import GemvOps
+    from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -39,9 +40,14 @@ class LogitsProcessor(nn.Module):
         self.packed_head: PackedLinear | None = None
 
     def prepack(
-        self, lm_head_weight: torch.Tensor, gemv_ops: GemvOps | None = None, checks: PackChecks | None = None
+        self,
+        lm_head_weight: torch.Tensor,
+        gemv_ops: GemvOps | None = None,
+        checks: PackChecks | None = None,
+        dtype: torch.dtype | None = None,
+        gemv_bf16: BlockGemvBf16 | None = None,
     ) -> bool:
-        self.packed_head = try_pack(lm_head_weight, None, gemv_ops, checks)
+        self.packed_head = try_pack(lm_head_weight, None, gemv_ops, checks, dtype, gemv_bf16)
         return self.packed_head is not None
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

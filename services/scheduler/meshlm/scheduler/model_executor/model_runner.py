@@ -23,7 +23,8 @@ from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
 from meshlm.scheduler.kernels.cpu_ops import CpuOps, cpu_ops_or_none
 from meshlm.scheduler.kernels.gemv import GemvOps, gemv_ops_or_none
-from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_supported
+from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16, gemv_bf16_or_none
+from meshlm.scheduler.layers.cpu_gemm import BF16_GEMV_MAX_ROWS, PackChecks, PackedLinear, prepack_supported
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
@@ -85,19 +86,48 @@ class ModelRunner:
         )
         if config.random_seed is not None:
             torch.manual_seed(config.random_seed)
+        self.gemv_bf16 = self._bf16_block_gemv()
+        # A bf16 model whose float32 checkpoint may hold GGUF blocks is loaded in float32, so
+        # that prepack finds the blocks in the exact values; the rest is cast afterwards.
+        self.load_dtype = torch.float32 if self.gemv_bf16 is not None else self.dtype
         self.load_model()
         self.prepare_cpu_model()
+        if self.load_dtype != self.dtype:
+            self._cast_parameters(self.dtype)
         self.init_memory_pool()
         self.attn_backend = create_backend(config.attention_backend, self.device)
+
+    def _bf16_block_gemv(self) -> BlockGemvBf16 | None:
+        """The bf16 block GEMV, for a bf16 decoder on CPU (fused_ops=auto) whose checkpoint is
+        float32 (a converted GGUF: the only kind whose weights can be blocks); else None."""
+        mc = self.model_config
+        checkpoint = str(mc.hf.get("torch_dtype") or mc.hf.get("dtype") or "")
+        if (
+            self.device.type != "cpu"
+            or self.dtype != torch.bfloat16
+            or self.config.fused_ops != "auto"
+            or mc.is_embedding
+            or checkpoint != "float32"
+            or not prepack_supported()
+        ):
+            return None
+        return gemv_bf16_or_none()
+
+    def _cast_parameters(self, dtype: torch.dtype) -> None:
+        """Every floating parameter to `dtype` (buffers such as the RoPE tables stay float32)."""
+        for module in self.model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_floating_point() and p.dtype != dtype:
+                    setattr(module, name, torch.nn.Parameter(p.data.to(dtype), requires_grad=False))
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
         cls = get_model_class(self.model_config.architecture)
         with torch.device(self.device):
             if self.model_config.is_embedding:
-                self.model = cls(self.model_config.hf, self.dtype)
+                self.model = cls(self.model_config.hf, self.load_dtype)
             else:
-                self.model = cls(self.model_config, self.tp, self.dtype)
+                self.model = cls(self.model_config, self.tp, self.load_dtype)
         self.model.load_weights(iterate_weights(self.model_config.path, progress=self.config.load_progress))
         self.model.eval()
         logger.info(
@@ -114,7 +144,7 @@ class ModelRunner:
         SiluAndMul, the RoPE of LlamaModel). fused_ops=torch keeps plain eager torch."""
         if self.device.type != "cpu" or self.config.fused_ops != "auto":
             return
-        self.prepack_linears(gemv_ops_or_none())
+        self.prepack_linears(gemv_ops_or_none(), self.gemv_bf16)
         ops = cpu_ops_or_none()
         if ops is None:
             return
@@ -126,7 +156,7 @@ class ModelRunner:
                 n += 1
         logger.info("fused CPU ops (RMSNorm + residual, RoPE, SiLU*mul) in %d modules", n)
 
-    def prepack_linears(self, gemv_ops: GemvOps | None = None) -> None:
+    def prepack_linears(self, gemv_ops: GemvOps | None = None, gemv_bf16: BlockGemvBf16 | None = None) -> None:
         """Every linear layer's weight (and the LM head) into the layouts its kernels read
         (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
         (float32), decode batches take our kernels: a weight that is exactly GGUF blocks as those
@@ -141,12 +171,18 @@ class ModelRunner:
         packed: list[PackedLinear] = []
         checks = PackChecks()  # one self-check per layout, not per weight
         for module in self.model.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(gemv_ops, checks):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(
+                gemv_ops, checks, self.dtype, gemv_bf16
+            ):
                 assert module.packed is not None
                 packed.append(module.packed)
         head = getattr(self.model, "lm_head", None)
         logits = getattr(self.model, "logits_processor", None)
-        if head is not None and logits is not None and logits.prepack(head.weight, gemv_ops, checks):
+        if (
+            head is not None
+            and logits is not None
+            and logits.prepack(head.weight, gemv_ops, checks, self.dtype, gemv_bf16)
+        ):
             assert logits.packed_head is not None
             packed.append(logits.packed_head)
         formats = Counter(p.small.format for p in packed if p.small is not None)
@@ -154,11 +190,14 @@ class ModelRunner:
             1 << 20
         )
         logger.info(
-            "prepacked %d linear weights in %.2fs: %d also as GGUF blocks (GEMV + block GEMM), %d for oneDNN; "
-            "small-batch GEMV weights: %s (%.0f MiB with the GEMM panels)",
+            "prepacked %d linear weights in %.2fs: %d also as GGUF blocks (GEMV + block GEMM), %d as GGUF "
+            "blocks for bf16 batches of <= %d rows, %d for oneDNN; small-batch GEMV weights: %s (%.0f MiB with "
+            "the GEMM panels)",
             len(packed),
             time.perf_counter() - t0,
             sum(p.blocks is not None for p in packed),
+            sum(p.gemv_bf16 is not None for p in packed),
+            BF16_GEMV_MAX_ROWS,
             sum(p.packed is not None for p in packed),
             ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none",
             small_mib,

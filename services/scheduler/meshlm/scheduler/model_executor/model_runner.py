@@ -161,7 +161,8 @@ class ModelRunner:
         (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
         (float32), decode batches take our kernels: a weight that is exactly GGUF blocks as those
         blocks (GEMV for a few rows, the block GEMM up to 256), any other a dense copy streamed
-        by the GEMV for batches of <= 4 rows."""
+        by the GEMV for batches of <= 4 rows. With gemv_bf16 (a bf16 model loaded in float32), a
+        weight that is GGUF blocks keeps them for bf16 batches of <= BF16_GEMV_MAX_ROWS rows."""
         if not prepack_supported():
             logger.warning("oneDNN is not available in this torch build; linears use F.linear")
             return

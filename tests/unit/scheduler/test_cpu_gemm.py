@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_supported, try_pack
+from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, PackPlan, prepack_supported, try_pack
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessor
 
@@ -112,10 +112,10 @@ def test_one_self_check_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PackedLinear, "matches", spy)
     checks = PackChecks()
     for _ in range(3):
-        assert try_pack(torch.randn(64, 96), None, checks=checks) is not None
-    assert try_pack(torch.randn(64, 96), torch.randn(64), checks=checks) is not None
-    assert try_pack(torch.randn(32, 96), None, checks=checks) is not None
+        assert try_pack(torch.randn(64, 96), None, PackPlan(checks=checks)) is not None
+    assert try_pack(torch.randn(64, 96), torch.randn(64), PackPlan(checks=checks)) is not None
+    assert try_pack(torch.randn(32, 96), None, PackPlan(checks=checks)) is not None
     assert len(checked) == 3 and len(set(checked)) == 3
     monkeypatch.setattr(PackedLinear, "matches", lambda self, w, b: False)
-    assert try_pack(torch.randn(16, 96), None, checks=checks) is None
-    assert try_pack(torch.randn(64, 96), None, checks=PackChecks()) is None  # a fresh pass checks again
+    assert try_pack(torch.randn(16, 96), None, PackPlan(checks=checks)) is None
+    assert try_pack(torch.randn(64, 96), None, PackPlan(checks=PackChecks())) is None  # a fresh pass checks again

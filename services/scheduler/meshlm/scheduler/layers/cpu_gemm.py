@@ -64,34 +64,38 @@ class PackChecks:
     passed: set[tuple[object, ...]] = field(default_factory=set)
 
 
-def try_pack(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gemv_ops: GemvOps | None = None,
-    checks: PackChecks | None = None,
-    dtype: torch.dtype | None = None,
-    gemv_bf16: BlockGemvBf16 | None = None,
-) -> PackedLinear | None:
+@dataclass(frozen=True)
+class PackPlan:
+    """One prepack pass over a model's linear weights: the model's dtype (None: each weight's
+    own), the small-batch kernels it may use (see PackedLinear), and the layouts it has
+    self-checked so far."""
+
+    dtype: torch.dtype | None = None
+    gemv_ops: GemvOps | None = None
+    gemv_bf16: BlockGemvBf16 | None = None
+    checks: PackChecks = field(default_factory=PackChecks)
+
+
+def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, plan: PackPlan | None = None) -> PackedLinear | None:
     """A checked PackedLinear, or None where this torch build or CPU cannot pack `weight`
-    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees.
-    With `checks`, a layout already checked in this pass is not checked again. `dtype`: the
-    model's (default: the weight's)."""
-    dtype = dtype or weight.dtype
+    (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT) or the packed result disagrees. A
+    layout the plan has already checked is not checked again."""
+    plan = plan or PackPlan()
+    dtype = plan.dtype or weight.dtype
     if not prepack_supported() or weight.device.type != "cpu" or dtype not in PACK_DTYPES:
         return None
     try:
-        packed = PackedLinear(weight, bias, gemv_ops=gemv_ops, dtype=dtype, gemv_bf16=gemv_bf16)
+        packed = PackedLinear(weight, bias, gemv_ops=plan.gemv_ops, dtype=dtype, gemv_bf16=plan.gemv_bf16)
     except RuntimeError as e:
         log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, e)
         return None
     layout = packed.layout()
-    if checks is not None and layout in checks.passed:
+    if layout in plan.checks.passed:
         return packed
     if not packed.matches(weight, bias):
         log.warning("oneDNN prepacked linear disagrees with F.linear here; keeping F.linear")
         return None
-    if checks is not None:
-        checks.passed.add(layout)
+    plan.checks.passed.add(layout)
     return packed
 
 
@@ -184,21 +188,14 @@ class PackedLinear:
         return True
 
 
-def prepack_weight(
-    module: torch.nn.Module,
-    with_bias: bool,
-    gemv_ops: GemvOps | None = None,
-    checks: PackChecks | None = None,
-    dtype: torch.dtype | None = None,
-    gemv_bf16: BlockGemvBf16 | None = None,
-) -> PackedLinear | None:
-    """A PackedLinear of `module.weight` (and its bias if with_bias) for a model of `dtype`
-    (default: the weight's); the module's parameter is then an empty tensor of that dtype (the
-    PackedLinear holds a small-batch copy of the weight only where it streams it for small
-    batches). None when this torch build or CPU cannot (the module keeps its dense weight)."""
+def prepack_weight(module: torch.nn.Module, with_bias: bool, plan: PackPlan | None = None) -> PackedLinear | None:
+    """A PackedLinear of `module.weight` (and its bias if with_bias) as `plan` lays it out; the
+    module's parameter is then an empty tensor of the packed dtype (the PackedLinear holds a
+    small-batch copy of the weight only where it streams it for small batches). None when this
+    torch build or CPU cannot (the module keeps its dense weight)."""
     weight, bias = module.weight, module.bias if with_bias else None
     assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
-    packed = try_pack(weight, bias, gemv_ops, checks, dtype, gemv_bf16)
+    packed = try_pack(weight, bias, plan)
     if packed is None:
         return None
     module.weight = torch.nn.Parameter(torch.empty(0, dtype=packed.dtype), requires_grad=False)

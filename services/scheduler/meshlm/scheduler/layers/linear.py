@@ -9,18 +9,12 @@ each checkpoint tensor into its own slice of this rank's shard.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
-from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, prepack_weight
-
-if TYPE_CHECKING:
-    from meshlm.scheduler.kernels.gemv import GemvOps
-    from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
+from meshlm.scheduler.layers.cpu_gemm import PackedLinear, PackPlan, prepack_weight
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -64,14 +58,8 @@ class ColumnParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[0])
         _copy_into(param.data, loaded.narrow(0, start, n), "column-parallel")
 
-    def prepack(
-        self,
-        gemv_ops: GemvOps | None = None,
-        checks: PackChecks | None = None,
-        dtype: torch.dtype | None = None,
-        gemv_bf16: BlockGemvBf16 | None = None,
-    ) -> bool:
-        self.packed = prepack_weight(self, True, gemv_ops, checks, dtype, gemv_bf16)
+    def prepack(self, plan: PackPlan | None = None) -> bool:
+        self.packed = prepack_weight(self, True, plan)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,14 +98,8 @@ class RowParallelLinear(nn.Module):
         start, n = self.tp.shard(loaded.shape[1])
         _copy_into(param.data, loaded.narrow(1, start, n), "row-parallel")
 
-    def prepack(
-        self,
-        gemv_ops: GemvOps | None = None,
-        checks: PackChecks | None = None,
-        dtype: torch.dtype | None = None,
-        gemv_bf16: BlockGemvBf16 | None = None,
-    ) -> bool:
-        self.packed = prepack_weight(self, False, gemv_ops, checks, dtype, gemv_bf16)
+    def prepack(self, plan: PackPlan | None = None) -> bool:
+        self.packed = prepack_weight(self, False, plan)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

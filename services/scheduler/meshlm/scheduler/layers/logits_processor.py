@@ -8,17 +8,12 @@ extend segment (position j predicts fill token j + 1). DECODE batches need every
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from meshlm.scheduler.distributed import SINGLE, TpGroup
-from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, try_pack
-
-if TYPE_CHECKING:
-    from meshlm.scheduler.kernels.gemv import GemvOps
-    from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
+from meshlm.scheduler.layers.cpu_gemm import PackedLinear, PackPlan, try_pack
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -39,15 +34,8 @@ class LogitsProcessor(nn.Module):
         # caller's (with tied embeddings it is also the embedding table).
         self.packed_head: PackedLinear | None = None
 
-    def prepack(
-        self,
-        lm_head_weight: torch.Tensor,
-        gemv_ops: GemvOps | None = None,
-        checks: PackChecks | None = None,
-        dtype: torch.dtype | None = None,
-        gemv_bf16: BlockGemvBf16 | None = None,
-    ) -> bool:
-        self.packed_head = try_pack(lm_head_weight, None, gemv_ops, checks, dtype, gemv_bf16)
+    def prepack(self, lm_head_weight: torch.Tensor, plan: PackPlan | None = None) -> bool:
+        self.packed_head = try_pack(lm_head_weight, None, plan)
         return self.packed_head is not None
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

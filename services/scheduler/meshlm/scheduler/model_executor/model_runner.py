@@ -24,7 +24,7 @@ from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
 from meshlm.scheduler.kernels.cpu_ops import CpuOps, cpu_ops_or_none
 from meshlm.scheduler.kernels.gemv import GemvOps, gemv_ops_or_none
 from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16, gemv_bf16_or_none
-from meshlm.scheduler.layers.cpu_gemm import BF16_GEMV_MAX_ROWS, PackChecks, PackedLinear, prepack_supported
+from meshlm.scheduler.layers.cpu_gemm import BF16_GEMV_MAX_ROWS, PackedLinear, PackPlan, prepack_supported
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
@@ -170,20 +170,14 @@ class ModelRunner:
         cache = gemv_ops.cache if gemv_ops is not None else None
         before = dataclasses.replace(cache.stats) if cache is not None else None
         packed: list[PackedLinear] = []
-        checks = PackChecks()  # one self-check per layout, not per weight
+        plan = PackPlan(self.dtype, gemv_ops, gemv_bf16)  # one self-check per layout, not per weight
         for module in self.model.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(
-                gemv_ops, checks, self.dtype, gemv_bf16
-            ):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(plan):
                 assert module.packed is not None
                 packed.append(module.packed)
         head = getattr(self.model, "lm_head", None)
         logits = getattr(self.model, "logits_processor", None)
-        if (
-            head is not None
-            and logits is not None
-            and logits.prepack(head.weight, gemv_ops, checks, self.dtype, gemv_bf16)
-        ):
+        if head is not None and logits is not None and logits.prepack(head.weight, plan):
             assert logits.packed_head is not None
             packed.append(logits.packed_head)
         formats = Counter(p.small.format for p in packed if p.small is not None)

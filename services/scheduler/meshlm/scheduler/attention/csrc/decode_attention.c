@@ -188,8 +188,6 @@ static inline void store_row(void *pool, const void *src, int elem, int64_t tok_
     memcpy((char *)pool + slot * tok_stride * elem, (const char *)src + src_off * elem, (size_t)n * elem);
 }
 
-static inline float bf16_as_f32(uint16_t h) { return bf16_to_f32(h); }
-
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
     union { uint32_t u; float f; } x;
     x.f = f;
@@ -197,7 +195,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
-/* Whether request rows take one_request_bf16 (see the header), and with which constants. */
+/* Whether requests take one_request_bf16 (see the header). */
 static int bf16_path(int kv_dtype, int q_dtype, int D) {
 #ifdef HAVE_AVX512_BF16
     return kv_dtype == 1 && q_dtype == 1 && (D == 64 || D == 128);
@@ -264,7 +262,7 @@ int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, 
                 const float *qb = (const float *)q + b * q_stride;
                 if (q_dtype == 1) {
                     const uint16_t *qh = (const uint16_t *)q + b * q_stride;
-                    for (int64_t i = 0; i < HD; i++) qf[i] = bf16_as_f32(qh[i]);
+                    for (int64_t i = 0; i < HD; i++) qf[i] = bf16_to_f32(qh[i]);
                     qb = qf;
                 }
                 /* A constant head dim lets the compiler unroll and vectorize the row loops fully. */

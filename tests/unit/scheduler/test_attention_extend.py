@@ -167,12 +167,12 @@ def test_sdpa_kv_dtypes_send_long_segments_to_sdpa() -> None:
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_auto_backend_sends_bf16_to_sdpa_only_with_native_bf16() -> None:
+def test_auto_backend_sends_bf16_to_sdpa_only_with_amx() -> None:
     from meshlm.scheduler.attention import create_backend
-    from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
+    from meshlm.scheduler.kernels.cpu_features import cpu_has_amx_bf16
 
     impl = create_backend("auto", torch.device("cpu"))
     if not isinstance(impl, CpuAttnBackend):
         pytest.skip("no C compiler")
-    assert (torch.bfloat16 in impl.sdpa_kv_dtypes) == cpu_has_native_bf16()
+    assert (torch.bfloat16 in impl.sdpa_kv_dtypes) == cpu_has_amx_bf16()
     assert torch.float32 not in impl.sdpa_kv_dtypes

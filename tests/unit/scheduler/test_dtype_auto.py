@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from meshlm.scheduler.kernels.cpu_features import cpu_flags, cpu_has_native_bf16
+from meshlm.scheduler.kernels.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native_bf16
 from meshlm.scheduler.model_executor.model_runner import resolve_dtype
 
 CPU = torch.device("cpu")
@@ -54,3 +54,5 @@ def test_bad_dtype_names_the_allowed_values() -> None:
 def test_this_machine_reads_its_own_flags() -> None:
     flags = cpu_flags()
     assert cpu_has_native_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert cpu_has_amx_bf16() == ("amx_bf16" in flags)
+    assert not cpu_has_amx_bf16(frozenset({"avx512f", "avx512_bf16"}))

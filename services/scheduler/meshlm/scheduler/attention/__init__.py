@@ -33,7 +33,7 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
     from meshlm.scheduler.attention.cpu import CpuAttnBackend
     from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
     from meshlm.scheduler.attention.extend_kernel import ExtendKernel, load_extend_kernel
-    from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
+    from meshlm.scheduler.kernels.cpu_features import cpu_has_amx_bf16
 
     try:
         decode = load_decode_kernel()
@@ -47,4 +47,4 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         extend = load_extend_kernel()
     except KernelUnavailable as e:
         log.info("CPU extend-attention kernel unavailable (%s); long extend segments use SDPA", e)
-    return CpuAttnBackend(decode, extend, (torch.bfloat16,) if cpu_has_native_bf16() else ())
+    return CpuAttnBackend(decode, extend, (torch.bfloat16,) if cpu_has_amx_bf16() else ())

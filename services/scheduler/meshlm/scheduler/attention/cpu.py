@@ -95,10 +95,11 @@ def split_extend(fb: ForwardBatch) -> _SplitExtendMeta:
 
 class CpuAttnBackend(TorchNativeAttnBackend):
     """`sdpa_kv_dtypes`: pool dtypes whose long extend segments go to torch's SDPA even where the
-    extend kernel builds. The kernel computes in float32 FMAs; on a CPU with native bf16 (AMX,
-    AVX512-BF16) SDPA's flash attention multiplies bf16 tiles natively and is 2-2.8x faster on a
-    bf16 pool (`python bench/bench_extend_attention.py --dtype bfloat16`, 2-core AMX Xeon), so
-    create_backend names bfloat16 there."""
+    extend kernel builds. The kernel computes in float32 FMAs; on a CPU with AMX, SDPA's flash
+    attention multiplies bf16 tiles natively and is 2-2.8x faster on a bf16 pool
+    (`python bench/bench_extend_attention.py --dtype bfloat16`, 2-core AMX Xeon), so create_backend
+    names bfloat16 there. With AVX512-BF16 but no AMX (2-core AMD EPYC) SDPA was 1.5-3.7x slower
+    than the kernel, so bf16 stays on the kernel there."""
 
     def __init__(
         self,

@@ -26,3 +26,11 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     several times faster than fp32. Elsewhere bf16 is emulated and slower than fp32."""
     flags = cpu_flags() if flags is None else flags
     return any(f in flags for f in NATIVE_BF16_CPU_FLAGS)
+
+
+def cpu_has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True on CPUs with AMX bf16 tiles (Sapphire Rapids and later): there torch's flash attention
+    multiplies bf16 tiles and beats the C extend kernel; on AVX512-BF16 without AMX (AMD Zen 4/5)
+    it is 1.5-3.7x slower than the kernel (`python bench/bench_extend_attention.py --dtype bfloat16`)."""
+    flags = cpu_flags() if flags is None else flags
+    return "amx_bf16" in flags

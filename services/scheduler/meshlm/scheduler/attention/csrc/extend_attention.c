@@ -19,11 +19,12 @@
  *   2. S^T [KB][RS] = KBUF . QT, QT = the rows' queries, pre-scaled, packed as [RS/16][D][16];
  *   3. keys past a row's position are masked; exp(S - running max) in place;
  *   4. O [RS][D] += P . VBUF.
- * Steps 2 and 4 are the same 6 x 16 register-blocked AVX2 micro-kernel (12 accumulators), so
- * the scores never leave L1/L2 and the work is GEMM-shaped. Rows are padded to RS (a multiple
- * of lcm(6, 16) = 48) and keys to a multiple of 6: padded queries are zero, padded keys are
- * masked, and neither is ever stored. Scores use a finite floor (NEG) instead of -inf, since
- * the fast build assumes finite math.
+ * Steps 2 and 4 are the same register-blocked MR x 16 micro-kernel with 12 accumulators (AVX2:
+ * 6 rows of two 8-float vectors; AVX-512: 12 rows of one 16-float vector, twice the FMA width),
+ * so the scores never leave L1/L2 and the work is GEMM-shaped. Rows are padded to RS (a multiple
+ * of lcm(MR, 16) = 48 for MR 6 or 12) and keys to a multiple of MR: padded queries are zero,
+ * padded keys are masked, and neither is ever stored. Scores use a finite floor (NEG) instead of
+ * -inf, since the fast build assumes finite math.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,7 +34,12 @@
 #define HAVE_AVX2 1
 #endif
 
-#define MR 6       /* rows of A per micro-kernel */
+#if defined(HAVE_AVX2) && defined(__AVX512F__)
+#define HAVE_AVX512 1
+#define MR 12 /* rows of A per micro-kernel: one 16-float accumulator each */
+#else
+#define MR 6 /* rows of A per micro-kernel: two 8-float accumulators each */
+#endif
 #define NR 16      /* columns of B per micro-kernel */
 #define ROWS 48    /* query rows per work item (QB = ROWS / G positions), lcm(MR, NR) */
 #define KB 48      /* keys per block: a multiple of MR */
@@ -88,6 +94,55 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(zero_below, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+#ifdef HAVE_AVX512
+/* exp8's polynomial for 16 floats. */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+
+/* c[12][16] (+)= A . b over kc, the AVX-512 form of the micro-kernel below (same arguments). */
+static inline void micro_kernel(int kc, const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb,
+                                float *c, int64_t ldc, int acc) {
+    /* Twelve named accumulators: an array would be spilled to the stack at every k. */
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+    __m512 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+    for (int k = 0; k < kc; k++) {
+        const __m512 bv = _mm512_loadu_ps(b + k * ldb);
+        const float *ak = a + k * aks;
+        c0 = _mm512_fmadd_ps(_mm512_set1_ps(ak[0]), bv, c0);
+        c1 = _mm512_fmadd_ps(_mm512_set1_ps(ak[ars]), bv, c1);
+        c2 = _mm512_fmadd_ps(_mm512_set1_ps(ak[2 * ars]), bv, c2);
+        c3 = _mm512_fmadd_ps(_mm512_set1_ps(ak[3 * ars]), bv, c3);
+        c4 = _mm512_fmadd_ps(_mm512_set1_ps(ak[4 * ars]), bv, c4);
+        c5 = _mm512_fmadd_ps(_mm512_set1_ps(ak[5 * ars]), bv, c5);
+        c6 = _mm512_fmadd_ps(_mm512_set1_ps(ak[6 * ars]), bv, c6);
+        c7 = _mm512_fmadd_ps(_mm512_set1_ps(ak[7 * ars]), bv, c7);
+        c8 = _mm512_fmadd_ps(_mm512_set1_ps(ak[8 * ars]), bv, c8);
+        c9 = _mm512_fmadd_ps(_mm512_set1_ps(ak[9 * ars]), bv, c9);
+        c10 = _mm512_fmadd_ps(_mm512_set1_ps(ak[10 * ars]), bv, c10);
+        c11 = _mm512_fmadd_ps(_mm512_set1_ps(ak[11 * ars]), bv, c11);
+    }
+    const __m512 out[MR] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    for (int r = 0; r < MR; r++) {
+        float *cr = c + r * ldc;
+        _mm512_storeu_ps(cr, acc ? _mm512_add_ps(out[r], _mm512_loadu_ps(cr)) : out[r]);
+    }
+}
+#else
 /* c[6][16] (+)= A . b over kc: A(r, k) = a[r * ars + k * aks], b row k at b + k * ldb (16
  * contiguous floats), c rows ldc apart; `acc`: add to c, else store. */
 static inline void micro_kernel(int kc, const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb,
@@ -130,6 +185,7 @@ static inline void micro_kernel(int kc, const float *a, int64_t ars, int64_t aks
         _mm256_storeu_ps(cr + 8, hi);
     }
 }
+#endif
 
 /* Per-thread scratch, sized for RS rows and head dim D. */
 typedef struct {
@@ -226,11 +282,19 @@ static void attend_block(const float *q, int64_t q_stride, const void *k, const 
         }
         for (int j = 0; j < kbp; j++) {
             float *row = s->st + (int64_t)j * RS;
+#ifdef HAVE_AVX512
+            for (int r = 0; r < RS; r += 16) { /* RS is a multiple of 16 */
+                const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + r), _mm512_loadu_ps(s->bmax + r)));
+                _mm512_storeu_ps(row + r, p);
+                _mm512_storeu_ps(s->bsum + r, _mm512_add_ps(_mm512_loadu_ps(s->bsum + r), p));
+            }
+#else
             for (int r = 0; r < RS; r += 8) { /* RS is a multiple of 8 */
                 const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + r), _mm256_loadu_ps(s->bmax + r)));
                 _mm256_storeu_ps(row + r, p);
                 _mm256_storeu_ps(s->bsum + r, _mm256_add_ps(_mm256_loadu_ps(s->bsum + r), p));
             }
+#endif
         }
         for (int r = 0; r < RS; r += 8) { /* alpha = 0 on the first block (m = NEG) */
             const __m256 bm = _mm256_loadu_ps(s->bmax + r);

@@ -185,6 +185,34 @@ def test_bearer_tokens_on_every_call_kind_health_and_reflection_open() -> None:
     asyncio.run(run())
 
 
+def test_a_refused_stream_ends_without_racing_the_clients_writes() -> None:
+    """A bidi client that writes before it reads always sees the refusal (not gRPC's INTERNAL for a
+    write that lost a race with the abort), and a streaming client that never sends anything is
+    still refused, after REFUSE_WAIT_S, with the handler never run."""
+    from meshlm.common.auth_interceptors import REFUSE_WAIT_S
+
+    async def run() -> None:
+        echo = Echo()
+        server = GrpcServer(["test.Internal"], "127.0.0.1", 0, auth=AuthConfig(internal_token=TOKEN))
+        echo.register(server.server)
+        address = f"127.0.0.1:{await server.start()}"
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                for _ in range(100):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await _write_style(ch.stream_stream("/test.Internal/ss")(timeout=5))
+                    assert err.value.code() == UNAUTH, err.value.details()
+                silent = ch.stream_stream("/test.Internal/ss")(timeout=5 + REFUSE_WAIT_S)
+                t0 = asyncio.get_running_loop().time()
+                assert await silent.code() == UNAUTH
+                assert asyncio.get_running_loop().time() - t0 < 4 + REFUSE_WAIT_S
+            assert echo.calls == 0
+        finally:
+            await server.drain(0.1)
+
+    asyncio.run(run())
+
+
 def test_without_secrets_everything_is_open_and_only_the_key_guards_the_public_api() -> None:
     async def run() -> None:
         open_server = GrpcServer(["test.Public", "test.Internal"], "127.0.0.1", 0, auth=AuthConfig())

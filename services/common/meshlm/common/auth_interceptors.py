@@ -19,6 +19,8 @@ into one kind only, so there is one object per kind).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -34,6 +36,7 @@ from meshlm.common.auth import AuthConfig
 logger = logging.getLogger(__name__)
 
 AUTHORIZATION = "authorization"
+REFUSE_WAIT_S = 1.0  # how long a refused streaming call may take to send its first message
 OPEN_SERVICES = frozenset(
     {
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -82,6 +85,14 @@ def _refuse(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     """A handler of the same kind as `handler` that ends the call with UNAUTHENTICATED."""
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if handler.request_streaming:
+            # Take the client's first message (or its half-close) before ending the call: a
+            # client that writes and then reads (the ring's Push) otherwise races its write
+            # against the abort, and gRPC reports a lost race to it as INTERNAL ("Internal error
+            # from Core") instead of this refusal. Bounded: a silent client is refused after
+            # REFUSE_WAIT_S. The message is never looked at.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(anext(aiter(request), None), REFUSE_WAIT_S)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kind = {

@@ -144,6 +144,37 @@ def test_a_long_prompt_is_chunked_and_continued_first() -> None:
     assert nxt is not None and nxt.reqs[0] is long and len(long.fill_ids) == 32
 
 
+def test_the_chunk_is_bounded_per_running_request_while_requests_decode() -> None:
+    parts, _, _ = build(4096, 1, chunked_prefill_size=1024, prefill_chunk_per_running_req=32)
+    budget = parts.prefill.chunk_budget
+    assert budget(0) == 1024  # nothing running: the whole chunk (a lone prompt's TTFT)
+    assert budget(2) == 256 and budget(8) == 256  # never under the floor
+    assert budget(16) == 512 and budget(31) == 992
+    assert budget(32) == 1024 and budget(64) == 1024  # never over --chunked-prefill-size
+    off, _, _ = build(4096, 1, chunked_prefill_size=1024, prefill_chunk_per_running_req=0)
+    assert off.prefill.chunk_budget(16) == 1024
+    small, _, _ = build(4096, 1, chunked_prefill_size=128)
+    assert small.prefill.chunk_budget(2) == 128  # a chunk size under the floor is kept as given
+
+
+def test_a_prompt_arriving_while_requests_decode_is_prefilled_in_bounded_chunks() -> None:
+    for mixed in (False, True):
+        parts, _, _ = build(4096, 1, chunked_prefill_size=1024, enable_mixed_chunk=mixed)  # 64 per request
+        running = [req(f"r{i}", list(range(10 + i, 20 + i)), max_new=50) for i in range(2)]
+        prefill_directly(parts, running)
+        long = req("long", list(range(100, 500)))
+        parts.state.waiting_queue.append(long)
+        batch = parts.prefill.get_new_batch_prefill()
+        assert batch is not None and parts.state.chunked_req is long
+        # 2 running: the 256-token floor; mixed, their two decode tokens count against it.
+        assert len(long.fill_ids) == (254 if mixed else 256)
+        alone, _, _ = build(4096, 1, chunked_prefill_size=1024, enable_mixed_chunk=mixed)
+        long2 = req("long", list(range(100, 500)))
+        alone.state.waiting_queue.append(long2)
+        assert alone.prefill.get_new_batch_prefill() is not None
+        assert alone.state.chunked_req is None and len(long2.fill_ids) == 400
+
+
 # ---- Retractor ----------------------------------------------------------------------------------
 def test_retraction_frees_room_for_the_next_decode_step() -> None:
     parts, outputs, _ = build(16, 4)  # four pages: the two prompts fill them

@@ -37,6 +37,7 @@ class SchedulerConfig:
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 2048  # -1 disables chunking (vLLM's CPU default token budget)
+    prefill_chunk_per_running_req: int = 64  # stall bound: chunk <= this x running requests (0: off)
     enable_mixed_chunk: bool = True  # decode tokens of running requests ride in prefill batches
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
@@ -65,6 +66,10 @@ class SchedulerConfig:
         need(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
             f"chunked_prefill_size must be -1 or >= page_size ({self.page_size}), got {self.chunked_prefill_size}",
+        )
+        need(
+            self.prefill_chunk_per_running_req >= 0,
+            f"prefill_chunk_per_running_req must be >= 0, got {self.prefill_chunk_per_running_req}",
         )
         need(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
@@ -125,6 +130,13 @@ class SchedulerConfig:
             "max_running_requests": "most requests decoding at once",
             "max_prefill_tokens": "token budget of one prefill batch",
             "chunked_prefill_size": "tokens per prefill chunk (-1 disables chunking)",
+            "prefill_chunk_per_running_req": (
+                "while requests are decoding, a prefill chunk holds at most this many prompt tokens "
+                "per running request (never fewer than 256, never more than --chunked-prefill-size), "
+                "so the pause a prompt puts on the running requests grows with their number: a wave "
+                "of new prompts reaches its first tokens sooner at moderate concurrency and a full "
+                "batch still prefills in large chunks; 0 = always --chunked-prefill-size"
+            ),
             "enable_mixed_chunk": (
                 "run the running requests' decode step inside each prefill batch (SGLang's mixed "
                 "chunk; on by default, as vLLM always mixes): decoding never pauses while prompts "

@@ -26,6 +26,7 @@ from meshlm.scheduler.managers.scheduler_state import SchedulerState
 from meshlm.scheduler.managers.scheduler_stats import SchedulerStats
 
 IN_BATCH_PREFIX_TOKENS = 32  # SGLang's IN_BATCH_PREFIX_CACHING thresholds
+MIN_STALL_BOUNDED_CHUNK = 256  # below this a chunk's forward is mostly fixed per-forward cost
 
 PrefixHead = tuple[int, ...]
 
@@ -41,6 +42,7 @@ class PrefillBatcher:
         self.policy = SchedulePolicy(config.schedule_policy, memory.tree_cache, self.radix)
         self.max_prefill_tokens = config.max_prefill_tokens
         self.chunked_prefill_size = None if config.chunked_prefill_size == -1 else config.chunked_prefill_size
+        self.chunk_per_running_req = config.prefill_chunk_per_running_req
         self.page_size = config.page_size
         self.enable_mixed_chunk = config.enable_mixed_chunk
 
@@ -77,7 +79,7 @@ class PrefillBatcher:
             state.running_batch.reqs,
             state.new_token_ratio,
             self.max_prefill_tokens,
-            self.chunked_prefill_size,
+            self.chunk_budget(running_bs),
             self.page_size,
             mixed_with_decode_tokens=running_bs if mixing else 0,
         )
@@ -127,6 +129,19 @@ class PrefillBatcher:
             if not running.is_empty() and running.check_decode_mem():
                 batch.pending_fb = batch.mix_with_running(batch.pending_fb, running)
         return batch
+
+    def chunk_budget(self, running_bs: int) -> int | None:
+        """The chunk budget of a prefill batch while running_bs requests decode (None: no chunking).
+
+        Every running request waits for the prefill forward (or, mixed, gets one token from it),
+        so the chunk is capped at prefill_chunk_per_running_req tokens per running request: the
+        stall a prompt causes stays proportional to the batch it stalls (Sarathi-Serve's bound).
+        With nothing running the whole --chunked-prefill-size is used (a lone prompt's TTFT)."""
+        full = self.chunked_prefill_size
+        if full is None or running_bs == 0 or self.chunk_per_running_req == 0:
+            return full
+        floor = min(full, max(MIN_STALL_BOUNDED_CHUNK, self.page_size))
+        return max(floor, min(full, self.chunk_per_running_req * running_bs))
 
     @staticmethod
     def _head(req: Req) -> PrefixHead:

@@ -14,6 +14,12 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from meshlm.gateway.config import GatewayConfig
 
 logger = logging.getLogger("meshlm.gateway")
 
@@ -24,6 +30,23 @@ def build_parser(prog: str = "python -m meshlm.gateway") -> argparse.ArgumentPar
     parser = argparse.ArgumentParser(prog=prog, description="meshlm gateway: OpenAI-compatible and SGLang-native HTTP")
     GatewayConfig.add_cli_args(parser)
     return parser
+
+
+def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
+    """uvicorn's settings for the gateway: HTTP/1.1 through httptools (C parser and writer; a
+    dependency of the gateway, so never h11's pure Python), our logging, the drain grace."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http="httptools",
+        log_config=None,  # our root logger (setup_logging) formats uvicorn's records too
+        log_level=config.log_level.lower(),
+        timeout_graceful_shutdown=math.ceil(config.grace_period_s),
+        timeout_keep_alive=30,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,17 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("gateway", config.log_level, config.log_format)
     setup_telemetry("meshlm-gateway", config.otlp_endpoint)
     logger.info("gateway on %s:%d -> tokenizers %s", config.host, config.port, ",".join(config.tokenizer_addrs))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config),
-            host=config.host,
-            port=config.port,
-            log_config=None,  # our root logger (setup_logging) formats uvicorn's records too
-            log_level=config.log_level.lower(),
-            timeout_graceful_shutdown=math.ceil(config.grace_period_s),
-            timeout_keep_alive=30,
-        )
-    )
+    server = uvicorn.Server(uvicorn_config(create_app(config), config))
     # uvicorn drains on SIGTERM/SIGINT, restores the previous handlers and re-raises the signal; with
     # these the re-raise is a no-op, so a drained gateway exits 0 like the gRPC services.
     if threading.current_thread() is threading.main_thread():

@@ -37,7 +37,7 @@ class SchedulerConfig:
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 2048  # -1 disables chunking (vLLM's CPU default token budget)
-    prefill_chunk_per_running_req: int = 64  # stall bound: chunk <= this x running requests (0: off)
+    prefill_chunk_per_running_req: int = 64  # chunk <= this x (running + waiting) requests (0: off)
     enable_mixed_chunk: bool = True  # decode tokens of running requests ride in prefill batches
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
@@ -132,10 +132,10 @@ class SchedulerConfig:
             "chunked_prefill_size": "tokens per prefill chunk (-1 disables chunking)",
             "prefill_chunk_per_running_req": (
                 "while requests are decoding, a prefill chunk holds at most this many prompt tokens "
-                "per running request (never fewer than 256, never more than --chunked-prefill-size), "
-                "so the pause a prompt puts on the running requests grows with their number: a wave "
-                "of new prompts reaches its first tokens sooner at moderate concurrency and a full "
-                "batch still prefills in large chunks; 0 = always --chunked-prefill-size"
+                "per request running or waiting (never fewer than 256, never more than "
+                "--chunked-prefill-size): a few arrivals beside a decoding batch prefill in small "
+                "chunks and reach their first tokens sooner, a burst of arrivals in large ones; "
+                "0 = always --chunked-prefill-size"
             ),
             "enable_mixed_chunk": (
                 "run the running requests' decode step inside each prefill batch (SGLang's mixed "

@@ -79,7 +79,7 @@ class PrefillBatcher:
             state.running_batch.reqs,
             state.new_token_ratio,
             self.max_prefill_tokens,
-            self.chunk_budget(running_bs),
+            self.chunk_budget(running_bs, len(state.waiting_queue)),
             self.page_size,
             mixed_with_decode_tokens=running_bs if mixing else 0,
         )
@@ -130,18 +130,21 @@ class PrefillBatcher:
                 batch.pending_fb = batch.mix_with_running(batch.pending_fb, running)
         return batch
 
-    def chunk_budget(self, running_bs: int) -> int | None:
-        """The chunk budget of a prefill batch while running_bs requests decode (None: no chunking).
+    def chunk_budget(self, running_bs: int, waiting: int) -> int | None:
+        """The chunk budget of a prefill batch while running_bs requests decode and `waiting` wait
+        (None: no chunking).
 
-        Every running request waits for the prefill forward (or, mixed, gets one token from it),
-        so the chunk is capped at prefill_chunk_per_running_req tokens per running request: the
-        stall a prompt causes stays proportional to the batch it stalls (Sarathi-Serve's bound).
-        With nothing running the whole --chunked-prefill-size is used (a lone prompt's TTFT)."""
+        A prefill forward stalls the running requests (mixed, each gets one token from it) and
+        serves the waiting ones, so the chunk is prefill_chunk_per_running_req tokens per request
+        in the system: a few arrivals beside a decoding batch come in small chunks (the running
+        requests keep their pace), a burst of arrivals in large ones (its TTFT). With nothing
+        running the whole --chunked-prefill-size is used.
+        """
         full = self.chunked_prefill_size
         if full is None or running_bs == 0 or self.chunk_per_running_req == 0:
             return full
         floor = min(full, max(MIN_STALL_BOUNDED_CHUNK, self.page_size))
-        return max(floor, min(full, self.chunk_per_running_req * running_bs))
+        return max(floor, min(full, self.chunk_per_running_req * (running_bs + waiting)))
 
     @staticmethod
     def _head(req: Req) -> PrefixHead:

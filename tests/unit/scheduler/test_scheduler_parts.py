@@ -145,14 +145,14 @@ def test_a_long_prompt_is_chunked_and_continued_first() -> None:
 
 
 def test_the_chunk_is_bounded_per_request_while_requests_decode() -> None:
-    parts, _, _ = build(4096, 1, chunked_prefill_size=1024, prefill_chunk_per_running_req=32)
+    parts, _, _ = build(4096, 1, chunked_prefill_size=1024, prefill_chunk_per_req=32)
     budget = parts.prefill.chunk_budget
     assert budget(0, 1) == budget(0, 40) == 1024  # nothing running: the whole chunk (a lone prompt's TTFT)
     assert budget(2, 1) == 256 and budget(7, 1) == 256  # never under the floor
     assert budget(15, 1) == 512 and budget(30, 1) == 992  # 32 tokens per running or waiting request
     assert budget(4, 12) == 512  # a burst of arrivals widens the chunk
     assert budget(31, 1) == budget(64, 0) == budget(2, 62) == 1024  # never over --chunked-prefill-size
-    off, _, _ = build(4096, 1, chunked_prefill_size=1024, prefill_chunk_per_running_req=0)
+    off, _, _ = build(4096, 1, chunked_prefill_size=1024, prefill_chunk_per_req=0)
     assert off.prefill.chunk_budget(16, 1) == 1024
     small, _, _ = build(4096, 1, chunked_prefill_size=128)
     assert small.prefill.chunk_budget(2, 1) == 128  # a chunk size under the floor is kept as given

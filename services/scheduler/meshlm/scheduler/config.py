@@ -37,7 +37,7 @@ class SchedulerConfig:
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 2048  # -1 disables chunking (vLLM's CPU default token budget)
-    prefill_chunk_per_running_req: int = 64  # chunk <= this x (running + waiting) requests (0: off)
+    prefill_chunk_per_req: int = 64  # chunk <= this x (running + waiting) requests (0: off)
     enable_mixed_chunk: bool = True  # decode tokens of running requests ride in prefill batches
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
@@ -68,8 +68,8 @@ class SchedulerConfig:
             f"chunked_prefill_size must be -1 or >= page_size ({self.page_size}), got {self.chunked_prefill_size}",
         )
         need(
-            self.prefill_chunk_per_running_req >= 0,
-            f"prefill_chunk_per_running_req must be >= 0, got {self.prefill_chunk_per_running_req}",
+            self.prefill_chunk_per_req >= 0,
+            f"prefill_chunk_per_req must be >= 0, got {self.prefill_chunk_per_req}",
         )
         need(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
@@ -130,7 +130,7 @@ class SchedulerConfig:
             "max_running_requests": "most requests decoding at once",
             "max_prefill_tokens": "token budget of one prefill batch",
             "chunked_prefill_size": "tokens per prefill chunk (-1 disables chunking)",
-            "prefill_chunk_per_running_req": (
+            "prefill_chunk_per_req": (
                 "while requests are decoding, a prefill chunk holds at most this many prompt tokens "
                 "per request running or waiting (never fewer than 256, never more than "
                 "--chunked-prefill-size): a few arrivals beside a decoding batch prefill in small "

@@ -42,7 +42,7 @@ class PrefillBatcher:
         self.policy = SchedulePolicy(config.schedule_policy, memory.tree_cache, self.radix)
         self.max_prefill_tokens = config.max_prefill_tokens
         self.chunked_prefill_size = None if config.chunked_prefill_size == -1 else config.chunked_prefill_size
-        self.chunk_per_running_req = config.prefill_chunk_per_running_req
+        self.chunk_per_req = config.prefill_chunk_per_req
         self.page_size = config.page_size
         self.enable_mixed_chunk = config.enable_mixed_chunk
 
@@ -135,16 +135,16 @@ class PrefillBatcher:
         (None: no chunking).
 
         A prefill forward stalls the running requests (mixed, each gets one token from it) and
-        serves the waiting ones, so the chunk is prefill_chunk_per_running_req tokens per request
+        serves the waiting ones, so the chunk is prefill_chunk_per_req tokens per request
         in the system: a few arrivals beside a decoding batch come in small chunks (the running
         requests keep their pace), a burst of arrivals in large ones (its TTFT). With nothing
         running the whole --chunked-prefill-size is used.
         """
         full = self.chunked_prefill_size
-        if full is None or running_bs == 0 or self.chunk_per_running_req == 0:
+        if full is None or running_bs == 0 or self.chunk_per_req == 0:
             return full
         floor = min(full, max(MIN_STALL_BOUNDED_CHUNK, self.page_size))
-        return max(floor, min(full, self.chunk_per_running_req * (running_bs + waiting)))
+        return max(floor, min(full, self.chunk_per_req * (running_bs + waiting)))
 
     @staticmethod
     def _head(req: Req) -> PrefixHead:

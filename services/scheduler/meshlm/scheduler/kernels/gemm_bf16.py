@@ -1,0 +1,119 @@
+"""Dense bf16 linears on CPUs with AVX512-BF16 but without AMX (csrc/gemm_bf16.c).
+
+There oneDNN's bf16 GEMM streams a decode batch's weights at about half the memory bandwidth
+(8-64 rows), and a prompt chunk runs at the VDPBF16PS peak either way; this kernel reads the
+weight in 16-column panels, grouped by three and k-pair major, so a decode batch of a few rows
+is one sequential stream and larger batches reuse each group from L2
+(`python bench/bench_gemm_bf16.py`: 0.6-0.85x oneDNN's time at 8-64 rows, ~1x at 256-2048).
+On AMX CPUs oneDNN multiplies bf16 tiles instead, so `gemm_bf16_or_none` offers no kernel
+there (not measured: no AMX machine in the sitting that added this).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
+from meshlm.scheduler.kernels.cpu_features import cpu_flags, cpu_has_amx_bf16
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gemm_bf16.c"
+PANEL = 16  # columns a panel (csrc/gemm_bf16.c)
+
+
+@dataclass(frozen=True)
+class PanelWeightBf16:
+    """A [out_features, in_features] weight in the kernel's layout (see csrc/gemm_bf16.c):
+    `data` holds out_features * in_features / 2 int32, each a pair of bf16 along K."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def packable(out_features: int, in_features: int) -> bool:
+    """Whether the kernel takes a weight of this shape (whole panels, pairs of k)."""
+    return out_features > 0 and in_features > 0 and out_features % PANEL == 0 and in_features % 2 == 0
+
+
+class PanelGemmBf16:
+    """ctypes binding; `pack` and `gemm` check shapes before handing pointers to C."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if not lib.meshlm_gemm_bf16_available():
+            raise KernelUnavailable("the bf16 panel GEMM needs AVX512-BF16, which this build or CPU lacks")
+        i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._pack = lib.meshlm_gemm_bf16_pack
+        self._pack.argtypes = [p, i64, i64, p]
+        self._pack.restype = c_int
+        self._gemm = lib.meshlm_gemm_bf16
+        self._gemm.argtypes = [p, i64, p, p, p, i64, i64, i64, c_int]
+        self._gemm.restype = c_int
+
+    def pack(self, weight: torch.Tensor) -> PanelWeightBf16:
+        """weight [N, K] (any float dtype; rounded to bf16) in the kernel's layout."""
+        n, k = weight.shape
+        if not packable(n, k):
+            raise ValueError(f"bf16 panel GEMM needs out_features % {PANEL} == 0 and even in_features, got [{n}, {k}]")
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        data = torch.empty(n * k // 2, dtype=torch.int32)
+        if self._pack(w.data_ptr(), n, k, data.data_ptr()):
+            raise ValueError(f"bf16 panel GEMM cannot pack a [{n}, {k}] weight")
+        return PanelWeightBf16(data, n, k)
+
+    def gemm(self, x: torch.Tensor, weight: PanelWeightBf16, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] bf16 @ weight^T (+ bias, float32 [N]) -> bf16 [M, N]."""
+        m, k = x.shape
+        n = weight.out_features
+        if x.dtype != torch.bfloat16 or k != weight.in_features:
+            raise ValueError(f"bf16 panel GEMM needs bf16 x [M, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (n,)):
+            raise ValueError(f"bf16 panel GEMM bias must be a contiguous float32 [{n}]")
+        # The C side reads x as int32 pairs: rows contiguous, an even stride, 4-byte aligned.
+        if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+            x = x.clone(memory_format=torch.contiguous_format)
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        if m == 0:
+            return out
+        rc = self._gemm(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise ValueError(f"bf16 panel GEMM: unsupported shape {tuple(x.shape)} x [{n}, {k}] (rc {rc})")
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_gemm_bf16() -> PanelGemmBf16:
+    """The kernel for this machine, built on first use; raises KernelUnavailable with the reason."""
+    return PanelGemmBf16(load_library(SOURCE))
+
+
+def gemm_bf16_or_none(flags: frozenset[str] | None = None) -> PanelGemmBf16 | None:
+    """The kernel where it beats oneDNN: AVX512-BF16 without AMX (see the module docstring)."""
+    flags = cpu_flags() if flags is None else flags
+    if "avx512_bf16" not in flags or cpu_has_amx_bf16(flags):
+        return None
+    try:
+        return load_gemm_bf16()
+    except KernelUnavailable as e:
+        log.warning("bf16 panel GEMM unavailable, oneDNN takes the bf16 linears: %s", e)
+        return None

@@ -170,3 +170,30 @@ def test_argmax_rejects_what_it_cannot_read(ops: CpuOps) -> None:
         assert not ops.supports_argmax(bad)
         with pytest.raises(ValueError, match="argmax needs"):
             ops.argmax(bad)
+
+
+def test_bf16_vector_paths_extreme_values_strides_and_odd_widths(ops: CpuOps) -> None:
+    """bf16 rows of widths a multiple of 16 (add_rmsnorm's AVX-512 path) and others (the scalar
+    path) agree with eager torch on strided rows; silu of a huge negative gate is ~0 (not NaN,
+    as the fast-math expf made it), a NaN gate stays NaN."""
+    torch.manual_seed(3)
+    for width in (1536, 40):  # vector path; scalar fallback
+        wide = (torch.randn(9, 2 * width + 8) * 4).bfloat16()
+        gu = wide[:, 4 : 4 + 2 * width]  # rows 2 * width + 8 apart
+        gu[0, :3] = torch.tensor([float("nan"), -100.0, 100.0])
+        got = ops.silu_mul(gu)
+        want = SiluAndMul()(gu.contiguous())
+        assert got[0, 0].isnan() and want[0, 0].isnan()
+        assert got[0, 1].abs() < 1e-30  # silu(-100) * up
+        close(got[:, 1:], want[:, 1:], torch.bfloat16)
+        close(got[1:], want[1:], torch.bfloat16)
+    for hidden in (576, 40):
+        eager = RMSNorm(hidden, 1e-5, torch.bfloat16)
+        eager.weight.data = (torch.rand(hidden) + 0.5).bfloat16()
+        wide = torch.randn(5, hidden + 16).bfloat16()
+        x, res = wide[:, 8 : 8 + hidden], torch.randn(5, hidden).bfloat16()
+        want_out, want_res = eager(x.contiguous(), res.clone())
+        got_res = res.clone()
+        got_out = ops.add_rmsnorm(x, got_res, eager.weight.data, 1e-5)
+        assert torch.equal(got_res, want_res)
+        close(got_out, want_out, torch.bfloat16)

@@ -21,8 +21,7 @@ import sys
 import time
 
 import torch
-from bench_gemv import fused_groups
-from safetensors import safe_open
+from bench_gemv import model_weights
 
 from meshlm.scheduler.kernels.build import KernelUnavailable
 from meshlm.scheduler.kernels.gemm_bf16 import load_gemm_bf16
@@ -46,11 +45,7 @@ def main() -> None:
     except KernelUnavailable as e:
         sys.exit(f"no bf16 panel GEMM on this machine: {e}")
     path = resolve_model_path(args.model_path)
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        names = [n for n in f.keys() if ".layers." in n and n.endswith("proj.weight")]  # noqa: SIM118
-        weights = [torch.cat([f.get_tensor(n).float() for n in group]) for group in fused_groups(names)]
-        head = "lm_head.weight" if "lm_head.weight" in f.keys() else "model.embed_tokens.weight"  # noqa: SIM118
-        weights.append(f.get_tensor(head).float())
+    weights = model_weights(path, head=True)
     paths = {
         "onednn": [PackedLinear(w, None, dtype=torch.bfloat16) for w in weights],
         "panels": [PackedLinear(w, None, dtype=torch.bfloat16, gemm_bf16=gemm) for w in weights],

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -40,6 +41,20 @@ def fused_groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def model_weights(path: Path, head: bool = False) -> list[torch.Tensor]:
+    """The model's layer weights in float32, fused as the model runs them (fused_groups), and
+    with `head` its LM head (the tied embedding where there is no lm_head) last."""
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        names = [n for n in keys if ".layers." in n and n.endswith("proj.weight")]
+        weights = [torch.cat([f.get_tensor(n).float() for n in group]) for group in fused_groups(names)]
+        if head:
+            weights.append(
+                f.get_tensor("lm_head.weight" if "lm_head.weight" in keys else "model.embed_tokens.weight").float()
+            )
+    return weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -54,11 +69,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ops = load_gemv_ops()
     path = resolve_model_path(args.model_path)
-    weights = []
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        names = [n for n in f.keys() if ".layers." in n and n.endswith("proj.weight")]  # noqa: SIM118
-        for group in fused_groups(names):
-            weights.append(torch.cat([f.get_tensor(n).float() for n in group]))
+    weights = model_weights(path)
     onednn = [PackedLinear(w, None) for w in weights]
     gemvs = {}
     for fmt in args.formats.split(","):

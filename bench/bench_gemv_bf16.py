@@ -19,8 +19,7 @@ import statistics
 import time
 
 import torch
-from bench_gemv import fused_groups
-from safetensors import safe_open
+from bench_gemv import model_weights
 
 from meshlm.scheduler.kernels.gemv import load_gemv_ops
 from meshlm.scheduler.kernels.gemv_bf16 import FORMATS, MAX_ROWS, load_gemv_bf16
@@ -41,11 +40,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     gemv, blocks_gemv = load_gemv_ops(), load_gemv_bf16()
     path = resolve_model_path(args.model_path)
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        names = [n for n in f.keys() if ".layers." in n and n.endswith("proj.weight")]  # noqa: SIM118
-        weights = [torch.cat([f.get_tensor(n).float() for n in group]) for group in fused_groups(names)]
-        head = "lm_head.weight" if "lm_head.weight" in f.keys() else "model.embed_tokens.weight"  # noqa: SIM118
-        weights.append(f.get_tensor(head).float())
+    weights = model_weights(path, head=True)
     blocks = [gemv.build(w, FORMATS) for w in weights]
     onednn = [PackedLinear(w, None, dtype=torch.bfloat16) for w in weights]
     sweep = torch.empty(SWEEP_BYTES // 4)

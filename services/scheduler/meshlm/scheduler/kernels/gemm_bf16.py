@@ -4,7 +4,7 @@ There oneDNN's bf16 GEMM streams a decode batch's weights at about half the memo
 (8-64 rows), and a prompt chunk runs at the VDPBF16PS peak either way; this kernel reads the
 weight in 16-column panels, grouped by three and k-pair major, so a decode batch of a few rows
 is one sequential stream and larger batches reuse each group from L2
-(`python bench/bench_gemm_bf16.py`: 0.6-0.85x oneDNN's time at 8-64 rows, ~1x at 256-2048).
+(`python bench/bench_gemm_bf16.py`: 0.7-0.9x oneDNN's time at 4-64 rows, 0.9-1x at 256-2048).
 On AMX CPUs oneDNN multiplies bf16 tiles instead, so `gemm_bf16_or_none` offers no kernel
 there (not measured: no AMX machine in the sitting that added this).
 """

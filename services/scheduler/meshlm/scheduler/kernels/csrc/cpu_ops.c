@@ -61,7 +61,6 @@ static inline void store_bf16x16(uint16_t *p, __m512 v) {
     r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
-
 #endif
 
 /* Row `t` of a float32 / bf16 matrix into float32 scratch, and back. */

@@ -26,13 +26,12 @@
  * VDPBF16PS peak at 64 (bench/bench_gemm_bf16.py).
  */
 #include <stdint.h>
-#include <stdlib.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 #endif
 
-#define G 3    /* panels a group; kernels/gemm_bf16.py: GROUP */
+#define G 3    /* panels a group */
 #define RT 8   /* rows a micro-tile */
 #define MB 256 /* rows a block */
 

@@ -4,11 +4,14 @@ per-endpoint streams an address list resolves to.
     start -> pick an endpoint -> dial (Dialer: options, TLS name) -> [wait until READY] ->
     serve: hello, then the stream's messages -> it ends or fails -> on_down(reason, was_up) ->
     back off (Backoff; reset after a stream that came up) -> pick an endpoint again (re-resolved
-    where the subclass re-resolves) -> ...          close(): cancel, channel closed, on_down.
+    where the subclass re-resolves) -> ...          close(): [serve ends its stream within
+    grace_s] cancel, channel closed, on_down("closed").
 
 A PeerStream subclass knows only its messages: `serve` sends its hello (protocol.hello; the
 server refuses another protocol version with FAILED_PRECONDITION, logged here as an error),
-calls `mark_up()` once the stream counts as up, and returns or raises when the stream is over.
+calls `mark_up()` once the stream counts as up, and returns or raises when the stream is over;
+one that can end its stream cleanly (half-close, the peer's reply) does so once `wait_closing()`
+returns, and close(grace_s) gives it that long before cancelling it.
 Invariants: `connected` is True exactly between mark_up() and the following on_down; on_down
 runs once per dial, after every outcome (end, failure, timeout, close); the channel of a dial is
 closed before the next one opens.
@@ -68,6 +71,7 @@ class PeerStream(abc.ABC):
         self._up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._closing = asyncio.Event()
 
     # ---- what a subclass defines --------------------------------------------------------
     async def next_endpoint(self) -> str | None:
@@ -89,10 +93,14 @@ class PeerStream(abc.ABC):
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"{self.what}-stream-{self.peer_id}")
 
-    async def close(self) -> None:
-        """Stop for good: the stream is cancelled (serve's cleanup runs), on_down("closed")."""
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stop for good, on_down("closed"): a stream that is up gets grace_s to end by itself
+        (serve sees wait_closing() return), then it is cancelled (serve's cleanup runs)."""
         self._closed = True
+        self._closing.set()
         if self._task is not None:
+            if grace_s > 0 and self.connected:
+                await asyncio.wait({self._task}, timeout=grace_s)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
@@ -100,6 +108,10 @@ class PeerStream(abc.ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    async def wait_closing(self) -> None:
+        """Returns once close() has been called."""
+        await self._closing.wait()
 
     async def wait_up(self, timeout: float) -> bool:
         try:
@@ -133,6 +145,8 @@ class PeerStream(abc.ABC):
             if self.connect_timeout_s is not None:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
             await self.serve(channel, endpoint)
+            if self._closed:
+                reason = "closed"
         except asyncio.CancelledError:
             reason = "closed"
             raise

@@ -76,6 +76,7 @@ class DetokenizerPushClient(PeerStream):
         self._pending: dict[str, float] = {}  # rid -> when its output became undeliverable
         self._index = zlib.crc32(scheduler_id.encode())  # spread schedulers over detokenizers
         self._watchdog_task: asyncio.Task[None] | None = None
+        self._written = 0  # messages written on the current stream, hello included
 
     @property
     def state(self) -> State:
@@ -105,14 +106,14 @@ class DetokenizerPushClient(PeerStream):
         except asyncio.TimeoutError:
             return False
 
-    async def close(self, timeout: float = 2.0) -> None:
-        """Flush, end the stream cleanly (done_writing), stop."""
-        if self.connected:
-            await self.flush(timeout)
+    async def close(self, timeout: float = 5.0) -> None:
+        """End the stream cleanly and stop: every queued message is written, the stream is
+        half-closed and the detokenizer's PushSummary awaited (it has read them all); after
+        timeout the stream is cancelled instead."""
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
             await asyncio.gather(self._watchdog_task, return_exceptions=True)
-        await super().close()
+        await super().close(grace_s=timeout)
 
     # ---- the stream ---------------------------------------------------------------------
     async def next_endpoint(self) -> str | None:
@@ -142,8 +143,10 @@ class DetokenizerPushClient(PeerStream):
                 self.failovers += 1
             self.current = endpoint
             self.mark_up()
+            self._written = 0
             for m in first:
                 await asyncio.wait_for(call.write(m), self.write_timeout_s)
+                self._written += 1
             self._pending.clear()  # everything they were waiting for has been re-sent
             self.down_since = None
             if snapshot:
@@ -161,24 +164,46 @@ class DetokenizerPushClient(PeerStream):
             call.cancel()
 
     async def _write_queue(self, call: grpc.aio.StreamUnaryCall) -> None:
+        """Write queued messages in order until the stream breaks (raises) or close() is called
+        (then the rest of the queue is written and the stream ended cleanly)."""
         ended = asyncio.ensure_future(self._call_done(call))
+        closing = asyncio.ensure_future(self.wait_closing())
         try:
             while True:
+                if closing.done() and self._queue.empty():
+                    return await self._end_stream(call)
                 get = asyncio.ensure_future(self._queue.get())
+                waits = {get, ended} if closing.done() else {get, ended, closing}
                 try:
-                    done, _ = await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     if not get.done():
                         get.cancel()
                 if get not in done:
-                    raise ConnectionError(f"Push stream ended: {ended.result()}")
+                    if ended in done:
+                        raise ConnectionError(f"Push stream ended: {ended.result()}")
+                    continue  # closing: write what is left, then end the stream
                 msg = get.result()
                 try:
                     await asyncio.wait_for(call.write(msg), self.write_timeout_s)
+                    self._written += 1
                 finally:
                     self._queue.task_done()
         finally:
             ended.cancel()
+            closing.cancel()
+
+    async def _end_stream(self, call: grpc.aio.StreamUnaryCall) -> None:
+        """Half-close and wait for the PushSummary: the count of messages the detokenizer read."""
+        await asyncio.wait_for(call.done_writing(), self.write_timeout_s)
+        summary = await asyncio.wait_for(call, self.write_timeout_s)
+        if summary.messages != self._written:
+            logger.warning(
+                "detokenizer %s read %d of the %d messages of its Push stream",
+                self.address,
+                summary.messages,
+                self._written,
+            )
 
     @staticmethod
     async def _call_done(call: grpc.aio.StreamUnaryCall) -> str:
@@ -197,7 +222,9 @@ class DetokenizerPushClient(PeerStream):
             self._queue.task_done()
 
     def on_down(self, reason: str, was_up: bool) -> None:
-        if was_up:
+        if self.closed:
+            logger.info("detokenizer %s stream closed", self.address)
+        elif was_up:
             logger.warning("detokenizer %s stream lost (%s); failing over", self.address, reason)
             now = time.monotonic()
             self.down_since = now

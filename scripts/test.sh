@@ -16,4 +16,4 @@ python3 scripts/gen_protos.py
 python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m mypy
-python3 -m pytest -q -p no:cacheprovider "$@"
+python3 -m pytest -q -p no:cacheprovider --durations=25 "$@"

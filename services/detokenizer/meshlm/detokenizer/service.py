@@ -39,6 +39,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
     def __init__(self, manager: DetokenizerManager) -> None:
         self.manager = manager
         self._pushes: set[asyncio.Task] = set()
+        self._ending = False  # end_pushes ran: a cancelled Push ends with UNAVAILABLE
 
     async def Push(
         self,
@@ -73,6 +74,10 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                         self.manager.handle_embeddings(msg.embeddings)
                 except Exception:  # a bad message must not end the stream of every other request
                     logger.exception("cannot handle a %s message from scheduler %s", kind, scheduler_id)
+        except asyncio.CancelledError:
+            if self._ending:  # a status the scheduler sees at once, not a call left without one
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "detokenizer is draining; push to another replica")
+            raise
         finally:
             self._pushes.discard(task)
             logger.info("push stream of scheduler %s ended after %d message(s)", scheduler_id, count)
@@ -95,7 +100,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
                 yield msg
 
     def end_pushes(self) -> None:
-        """Cancel every Push stream (drain): schedulers see the stream fail and move on."""
+        """End every Push stream with UNAVAILABLE (drain): schedulers see it and move on."""
+        self._ending = True
         for task in list(self._pushes):
             task.cancel()
 

@@ -20,6 +20,11 @@ With an API key and no internal token the launcher makes a random one, so the lo
 the schedulers and detokenizers are closed to callers without it too. The children's auth comes
 from the plan alone: inherited MESHLM_<COMPONENT>_API_KEY* / _INTERNAL_TOKEN* variables are
 dropped.
+
+Several schedulers on one host (--dp-size > 1, or a prefill and a decode role) split its CPUs:
+each gets OMP_NUM_THREADS = max(1, cpus // schedulers) (cpus: this process's affinity), as
+vLLM and SGLang bind disjoint cores per CPU data-parallel rank, so their OpenMP threads do not
+spin against each other's; an OMP_NUM_THREADS already in the environment is kept.
 """
 
 from __future__ import annotations
@@ -154,6 +159,15 @@ def secret_env(plan: LaunchPlan, component: str) -> dict[str, str]:
     return env
 
 
+def scheduler_threads(plan: LaunchPlan) -> int | None:
+    """OpenMP threads for each scheduler process when several share this host, else None."""
+    n = plan.dp_size + plan.decode_dp_size
+    if n <= 1:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // n)
+
+
 def plan_children(plan: LaunchPlan) -> list[Child]:
     h = plan.host
     common = list(plan.common_args) + ["--log-level", plan.log_level]
@@ -228,15 +242,20 @@ def plan_children(plan: LaunchPlan) -> list[Child]:
         *common,
     ]
     children.append(Child("gateway", "gateway", f"{h}:{plan.http_port}", _cmd("gateway", gw_args)))
+    threads = scheduler_threads(plan)
     for c in children:
         c.env = secret_env(plan, c.component)
+        if threads is not None and c.component == "scheduler":
+            c.env["OMP_NUM_THREADS"] = str(threads)
     return children
 
 
 def child_env(base: dict[str, str], child: Child) -> dict[str, str]:
-    """base without any inherited auth variable of the child's component, plus its secrets."""
+    """base without any inherited auth variable of the child's component, plus its secrets and
+    its CPU share (OMP_NUM_THREADS, unless base sets one)."""
     dropped = {env_prefix(child.component) + v for v in AUTH_VARS}
-    return {**{k: v for k, v in base.items() if k not in dropped}, **child.env}
+    own = {k: v for k, v in child.env.items() if not (k == "OMP_NUM_THREADS" and k in base)}
+    return {**{k: v for k, v in base.items() if k not in dropped}, **own}
 
 
 def _grpc_serving(address: str, timeout: float, tls: TlsConfig) -> bool:

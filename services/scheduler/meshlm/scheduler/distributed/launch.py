@@ -64,8 +64,12 @@ FAILED_LEADER_JOIN_S = 5.0  # how long a failed start waits for rank 0's helper 
 
 
 def threads_per_rank(size: int) -> int:
-    """torch intra-op threads for each of `size` CPU ranks sharing this machine's CPUs."""
+    """torch intra-op threads for each of `size` CPU ranks sharing this process's CPUs (its
+    affinity, or OMP_NUM_THREADS where set: the share `meshlm launch` gives each scheduler)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        cpus = min(cpus, int(env))
     return max(1, cpus // size)
 
 

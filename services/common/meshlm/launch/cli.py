@@ -176,7 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     lau.add_argument("--host", default="127.0.0.1", help="address every service binds (default: 127.0.0.1)")
     lau.add_argument("--port", type=int, default=30000, help="HTTP port of the gateway (default: 30000)")
     lau.add_argument("--grpc-port", type=int, default=30001, help="public gRPC port of tokenizer 0 (default: 30001)")
-    lau.add_argument("--dp-size", type=int, default=1, help="schedulers (data-parallel replicas) (default: 1)")
+    lau.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="schedulers (data-parallel replicas); several split the host's CPUs, "
+        "OMP_NUM_THREADS = CPUs / schedulers each unless set (default: 1)",
+    )
     lau.add_argument(
         "--decode-dp-size",
         type=int,

@@ -46,6 +46,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from meshlm.scheduler.cpu_budget import cpu_budget
 from meshlm.scheduler.distributed import TpGroup
 from meshlm.scheduler.distributed.parallel_state import COLLECTIVE_TIMEOUT, destroy_tp_group, init_tp_group
 
@@ -64,13 +65,9 @@ FAILED_LEADER_JOIN_S = 5.0  # how long a failed start waits for rank 0's helper 
 
 
 def threads_per_rank(size: int) -> int:
-    """torch intra-op threads for each of `size` CPU ranks sharing this process's CPUs (its
-    affinity, or OMP_NUM_THREADS where set: the share `meshlm launch` gives each scheduler)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        cpus = min(cpus, int(env))
-    return max(1, cpus // size)
+    """torch intra-op threads for each of `size` CPU ranks sharing this process's CPU budget
+    (cpu_budget.py: affinity, cgroup quota, OMP_NUM_THREADS)."""
+    return max(1, cpu_budget() // size)
 
 
 def _free_port() -> int:

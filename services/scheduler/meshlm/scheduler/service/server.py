@@ -27,6 +27,7 @@ from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.log import setup_logging
 from meshlm.common.metrics import Metrics
 from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.cpu_budget import apply_cpu_budget
 from meshlm.scheduler.runtime import SchedulerRuntime
 from meshlm.scheduler.service.config import SchedulerServiceConfig, parse_args
 from meshlm.scheduler.service.connections import ConnectionRegistry
@@ -260,6 +261,7 @@ def serve(svc: SchedulerServiceConfig, engine: SchedulerConfig) -> int:
     """Run the service in this process until SIGTERM; returns the exit code."""
     setup_logging("scheduler", svc.log_level, svc.log_format)
     telemetry.setup_telemetry("meshlm-scheduler", svc.otlp_endpoint)
+    apply_cpu_budget()  # a container's CPU quota, not the node's cores, sizes the thread pool
 
     async def run() -> int:
         server = SchedulerServer(svc, engine)

@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from bench_gemv import model_weights
+from bench_gemv import model_weights, parse_weight_bench_args, weight_bench_args
 
 from meshlm.scheduler.kernels.build import KernelUnavailable
 from meshlm.scheduler.kernels.gemm_bf16 import load_gemm_bf16
@@ -34,12 +34,8 @@ SWEEP_BYTES = 600 << 20  # more than the last-level cache: the next pass reads w
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,8,16,32,64,256,2048", help="row counts (default 1,4,8,16,32,64,256,2048)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed passes per path and row count (default 5)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    weight_bench_args(ap)
+    args = parse_weight_bench_args(ap)
     try:
         gemm = load_gemm_bf16()
     except KernelUnavailable as e:

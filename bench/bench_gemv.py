@@ -41,6 +41,21 @@ def fused_groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def weight_bench_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every weight benchmark shares: --repeats, --threads, --model-path."""
+    ap.add_argument("--repeats", type=int, default=5, help="timed passes per path and row count (default 5)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
+
+
+def parse_weight_bench_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, and set torch's threads when --threads is given."""
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def model_weights(path: Path, head: bool = False) -> list[torch.Tensor]:
     """The model's layer weights in float32, fused as the model runs them (fused_groups), and
     with `head` its LM head (the tied embedding where there is no lm_head) last."""
@@ -61,12 +76,8 @@ def main() -> None:
         "--rows", default="1,4,8,12,16,32,64,128,512", help=f"row counts (GEMVs only up to {GEMV_MAX_ROWS})"
     )
     ap.add_argument("--formats", default=",".join(FORMATS), help="GEMV formats to time (those the weights allow)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed passes per path and row count (default 5)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    weight_bench_args(ap)
+    args = parse_weight_bench_args(ap)
     ops = load_gemv_ops()
     path = resolve_model_path(args.model_path)
     weights = model_weights(path)

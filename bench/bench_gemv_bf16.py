@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from bench_gemv import model_weights
+from bench_gemv import model_weights, parse_weight_bench_args, weight_bench_args
 
 from meshlm.scheduler.kernels.gemv import load_gemv_ops
 from meshlm.scheduler.kernels.gemv_bf16 import FORMATS, MAX_ROWS, load_gemv_bf16
@@ -32,12 +32,8 @@ SWEEP_BYTES = 600 << 20  # more than the last-level cache: the next pass reads w
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,16", help=f"row counts, each <= {MAX_ROWS}")
-    ap.add_argument("--repeats", type=int, default=5, help="timed passes per path and row count (default 5)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    weight_bench_args(ap)
+    args = parse_weight_bench_args(ap)
     gemv, blocks_gemv = load_gemv_ops(), load_gemv_bf16()
     path = resolve_model_path(args.model_path)
     weights = model_weights(path, head=True)

@@ -13,6 +13,7 @@ real (its Rust router, `smg launch`) against two full meshlm systems (SmolLM2, t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -72,7 +73,11 @@ def systems(smollm_path: str) -> Iterator[list[System]]:
                 scheduler_args=ENGINE_ARGS + ENGINE,
                 log_level="warning",
             )
-            started.append(launch(plan, ready_timeout_s=600))  # two at once on a small machine: be patient
+            # two at once on a small machine: be patient, and split the CPUs as a user running two
+            # systems on one host would (each scheduler's OpenMP threads on all of them spin
+            # against the other's)
+            share = {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+            started.append(launch(plan, ready_timeout_s=600, env=share))
         except BaseException as e:  # reported below
             started.append(e)
 

@@ -13,7 +13,6 @@ real (its Rust router, `smg launch`) against two full meshlm systems (SmolLM2, t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -26,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from meshlm.common.cpus import available_cpus
 from meshlm.launch.launcher import LaunchPlan, System, free_port, launch
 
 from .conftest import ENGINE_ARGS, wait_idle
@@ -76,7 +76,7 @@ def systems(smollm_path: str) -> Iterator[list[System]]:
             # two at once on a small machine: be patient, and split the CPUs as a user running two
             # systems on one host would (each scheduler's OpenMP threads on all of them spin
             # against the other's)
-            share = {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+            share = {"OMP_NUM_THREADS": str(max(1, available_cpus() // 2))}
             started.append(launch(plan, ready_timeout_s=600, env=share))
         except BaseException as e:  # reported below
             started.append(e)

@@ -8,11 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from meshlm.common import cpus
 from meshlm.launch.launcher import LaunchPlan, child_env, plan_children
-from meshlm.scheduler import cpu_budget
 from meshlm.scheduler.distributed.launch import threads_per_rank
 
 CPUS = len(os.sched_getaffinity(0))
+
+
+@pytest.fixture(autouse=True)
+def no_cgroup_quota(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The shares below are of CPUS, whatever quota this machine's cgroup has."""
+    monkeypatch.setattr(cpus, "CGROUP_ROOT", tmp_path)
 
 
 def _threads(plan: LaunchPlan, base: dict[str, str]) -> dict[str, str | None]:
@@ -41,9 +47,6 @@ def test_a_users_omp_num_threads_wins() -> None:
 
 
 @pytest.mark.parametrize(("env", "size", "want"), [("1", 2, 1), ("4", 2, min(CPUS, 4) // 2 or 1), ("", 1, CPUS)])
-def test_tp_ranks_split_the_schedulers_share(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: str, size: int, want: int
-) -> None:
-    monkeypatch.setattr(cpu_budget, "CGROUP_ROOT", tmp_path)  # no quota, whatever this machine has
+def test_tp_ranks_split_the_schedulers_share(monkeypatch: pytest.MonkeyPatch, env: str, size: int, want: int) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", env)
     assert threads_per_rank(size) == max(1, want)

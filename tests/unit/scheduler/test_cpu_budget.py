@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.scheduler.cpu_budget import apply_cpu_budget, cgroup_cpu_limit, cpu_budget
+from meshlm.common.cpus import cgroup_cpu_limit
+from meshlm.scheduler.cpu_budget import apply_cpu_budget, cpu_budget
 
 CPUS = len(os.sched_getaffinity(0))
 

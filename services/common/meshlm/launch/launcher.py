@@ -22,7 +22,8 @@ from the plan alone: inherited MESHLM_<COMPONENT>_API_KEY* / _INTERNAL_TOKEN* va
 dropped.
 
 Several schedulers on one host (--dp-size > 1, or a prefill and a decode role) split its CPUs:
-each gets OMP_NUM_THREADS = max(1, cpus // schedulers) (cpus: this process's affinity), as
+each gets OMP_NUM_THREADS = max(1, cpus // schedulers) (cpus: common/cpus.py, this process's
+affinity capped by its cgroup quota), as
 vLLM and SGLang bind disjoint cores per CPU data-parallel rank, so their OpenMP threads do not
 spin against each other's; an OMP_NUM_THREADS already in the environment is kept.
 """
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from meshlm.common.cpus import available_cpus
 from meshlm.common.tls import FLAGS as TLS_FLAGS
 from meshlm.common.tls import PLAINTEXT, TlsConfig, sync_channel
 from meshlm.launch.output_tail import OutputTail
@@ -164,8 +166,7 @@ def scheduler_threads(plan: LaunchPlan) -> int | None:
     n = plan.dp_size + plan.decode_dp_size
     if n <= 1:
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // n)
+    return max(1, available_cpus() // n)
 
 
 def plan_children(plan: LaunchPlan) -> list[Child]:

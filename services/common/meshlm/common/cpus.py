@@ -1,0 +1,40 @@
+"""The CPUs this process may run on: its affinity mask, capped by its cgroup's CPU quota.
+
+A container limited to 4 CPUs on a 64-core node sees 64 in its affinity mask; the quota
+(cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded up, is what it
+may actually use. Torch-free: the launcher splits this among schedulers, the scheduler sizes
+its thread pool from it (scheduler/cpu_budget.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(root: Path | None = None) -> int | None:
+    """CPUs the cgroup's quota allows (ceil(quota / period), at least 1); None without a quota
+    or where no cgroup file can be read. root: the cgroup mount (default CGROUP_ROOT)."""
+    root = root or CGROUP_ROOT
+    try:
+        fields = (root / "cpu.max").read_text().split()  # v2: "max 100000" or "400000 100000"
+        quota, period = (None, None) if fields[0] == "max" else (int(fields[0]), int(fields[1]))
+    except (OSError, ValueError, IndexError):
+        try:  # v1: a quota of -1 means none
+            quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+            period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            return None
+    if quota is None or period is None or quota <= 0 or period <= 0:
+        return None
+    return max(1, math.ceil(quota / period))
+
+
+def available_cpus(root: Path | None = None) -> int:
+    """The affinity mask's CPUs, at most the cgroup quota's; at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit(root)
+    return max(1, min(cpus, limit) if limit is not None else cpus)

@@ -70,8 +70,7 @@ class PeerStream(abc.ABC):
         self.address = endpoint or ""  # the endpoint of the current (or last) dial; "" before
         self._up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._closing = asyncio.Event()
+        self._closing = asyncio.Event()  # set by close(): stop for good
 
     # ---- what a subclass defines --------------------------------------------------------
     async def next_endpoint(self) -> str | None:
@@ -96,7 +95,6 @@ class PeerStream(abc.ABC):
     async def close(self, grace_s: float = 0.0) -> None:
         """Stop for good, on_down("closed"): a stream that is up gets grace_s to end by itself
         (serve sees wait_closing() return), then it is cancelled (serve's cleanup runs)."""
-        self._closed = True
         self._closing.set()
         if self._task is not None:
             if grace_s > 0 and self.connected:
@@ -107,7 +105,7 @@ class PeerStream(abc.ABC):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closing.is_set()
 
     async def wait_closing(self) -> None:
         """Returns once close() has been called."""
@@ -125,7 +123,7 @@ class PeerStream(abc.ABC):
         self._up.set()
 
     async def _run(self) -> None:
-        while not self._closed:
+        while not self.closed:
             try:
                 endpoint = await self.next_endpoint()
             except Exception:
@@ -133,7 +131,7 @@ class PeerStream(abc.ABC):
                 endpoint = None
             if endpoint is not None and await self._dial(endpoint):
                 self.backoff.reset()
-            if not self._closed:
+            if not self.closed:
                 await self.backoff.sleep()
 
     async def _dial(self, endpoint: str) -> bool:
@@ -145,7 +143,7 @@ class PeerStream(abc.ABC):
             if self.connect_timeout_s is not None:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
             await self.serve(channel, endpoint)
-            if self._closed:
+            if self.closed:
                 reason = "closed"
         except asyncio.CancelledError:
             reason = "closed"

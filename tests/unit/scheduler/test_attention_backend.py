@@ -90,7 +90,9 @@ def test_decode_equals_per_request_attention(backend: str, lens: list[int]) -> N
     _decode_case(lens, 6, 2, 16, torch.float32, BACKENDS[backend]())
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (4, 1, 80), (2, 2, 8), (64, 32, 160)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (16, 2, 64), (14, 2, 128), (4, 1, 80), (2, 2, 8), (64, 32, 160)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_shapes_and_dtypes(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
     _decode_case([3, 257, 40, 1], heads, kv_heads, dim, dtype, _cpu_backend())

@@ -12,9 +12,10 @@ import torch
 
 from meshlm.scheduler.attention import AttentionBackend, create_backend
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
-from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
+from meshlm.scheduler.attention.cpu_kernel import SOURCE, DecodeKernel, KernelUnavailable, load_decode_kernel
 from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend, length_buckets
+from meshlm.scheduler.kernels.build import load_library
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -186,6 +187,42 @@ def test_auto_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPatch, tmp
             create_backend("cpu", torch.device("cpu"))
     finally:
         load_decode_kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(9, 3, 64), (16, 2, 64), (14, 2, 128), (8, 8, 128), (4, 1, 64), (18, 6, 64)],
+)
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_cpu_kernel_amx_scores_equal_vector_scores(heads: int, kv_heads: int, dim: int, consecutive: bool) -> None:
+    """The bf16 path scores keys with AMX tiles where the CPU has them (H <= 16; Q tiles held in
+    tile registers when Hkv * D / 32 <= 6, else reloaded per block; a block's K rows read in place
+    when its slots are consecutive, else gathered) and with VDPBF16PS otherwise: both sum exact
+    bf16 products in float32, so the outputs agree to float32 rounding. Without AMX both calls
+    take the same path (the test still checks the flag changes nothing)."""
+    torch.manual_seed(2)
+    lens = [1, 5, 16, 17, 300, 64]
+    pool = MHATokenToKVPool(sum(lens) + 8, 1, torch.bfloat16, kv_heads, dim, 1)
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape))
+    table = ReqToTokenPool(len(lens) + 1, max(lens) + 1)
+    order = torch.arange(sum(lens)) if consecutive else torch.randperm(sum(lens))
+    at = 0
+    for i, n in enumerate(lens):
+        table.req_to_token[i + 1, :n] = order[at : at + n] + 1
+        at += n
+    q = torch.randn(len(lens), heads, dim).bfloat16()
+    args = (pool.k_buffer[0], pool.v_buffer[0], table.req_to_token, torch.arange(1, len(lens) + 1), torch.tensor(lens))
+    try:
+        lib = load_library(SOURCE)
+    except KernelUnavailable as e:  # pragma: no cover - the CI machine has gcc
+        pytest.skip(f"no C compiler: {e}")
+    with_amx = DecodeKernel(lib, amx=True)(q, *args, dim**-0.5)
+    without = DecodeKernel(lib, amx=False)(q, *args, dim**-0.5)
+    torch.testing.assert_close(with_amx, without, rtol=1e-5, atol=1e-5)
+    keys = pool.k_buffer[0][table.req_to_token[1, : lens[0]]]  # a one-key request attends to its only value
+    assert keys.shape[0] == 1
+    torch.testing.assert_close(with_amx[0], pool.v_buffer[0][table.req_to_token[1, 0]].float().repeat_interleave(heads // kv_heads, 0))
 
 
 @pytest.mark.parametrize("dim", [64, 128, 80])

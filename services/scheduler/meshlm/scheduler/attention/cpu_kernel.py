@@ -61,7 +61,9 @@ def check_table(req_to_token: torch.Tensor) -> None:
 class DecodeKernel:
     """ctypes binding of meshlm_decode_attention_store (see the C file for the layouts)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, amx: bool = True) -> None:
+        """`amx`: let the bf16 path score keys with AMX tiles where the CPU and kernel allow
+        (the C file says when); False keeps it on AVX512-BF16 (the tests compare the two)."""
         self.path = Path(lib._name)
         fn = lib.meshlm_decode_attention_store
         i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -92,9 +94,11 @@ class DecodeKernel:
             p,
             i64,
             p,
+            c_int,
         ]
         fn.restype = c_int
         self._fn = fn
+        self.amx = amx
 
     @staticmethod
     def _rows_of_heads(t: torch.Tensor, heads: int, d: int) -> bool:
@@ -165,6 +169,7 @@ class DecodeKernel:
             Q_DTYPE_CODES[out_dtype],
             torch.get_num_threads(),
             *store,
+            int(self.amx),
         )
         raise_for_status(rc, "decode", f"heads/dim (H={h}, Hkv={hkv}, D={d})", "a request", req_to_token, k_buf)
         return out

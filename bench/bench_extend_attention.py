@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Extend (prefill) attention alone: the CPU backend with its C extend kernel vs the same backend
 with SDPA for long segments (what it did before the kernel, and what torch_native does), same
-pool, same batch, measured in one run.
+pool, same batch, measured in one run. With `--dtype bfloat16` on a CPU with AMX, also the AMX
+extend kernel (csrc/extend_attention_amx.c) and its ratio SDPA / AMX.
 
 Each case is an extend batch of `--batch` requests with `--prompt` new tokens after `--prefix`
 cached ones (slots scattered, as after many allocations), over `--layers` layers with SmolLM2-
@@ -20,8 +21,8 @@ import time
 import torch
 
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
-from meshlm.scheduler.attention.cpu_kernel import load_decode_kernel
-from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
+from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
+from meshlm.scheduler.attention.extend_kernel import load_amx_extend_kernel, load_extend_kernel
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -89,12 +90,19 @@ def main() -> None:
     torch.manual_seed(0)
     decode = load_decode_kernel()
     kernel, sdpa = CpuAttnBackend(decode, load_extend_kernel()), CpuAttnBackend(decode, None)
+    amx: CpuAttnBackend | None = None
+    if args.dtype == "bfloat16":
+        try:
+            amx = CpuAttnBackend(decode, None, (), load_amx_extend_kernel())
+        except KernelUnavailable as e:
+            print(f"no AMX extend kernel: {e}")
     print(
         f"extend attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
         f"{args.dtype}, threads {torch.get_num_threads()}"
     )
     head = ("batch", 6), ("prompt", 7), ("prefix", 7), ("SDPA ms/layer", 14), ("kernel ms/layer", 16), ("GFLOP/s", 8)
-    print(" ".join(f"{name:>{w}s}" for name, w in head) + f" {'ratio':>7s}")
+    amx_head = f" {'AMX ms/layer':>13s} {'GFLOP/s':>8s} {'ratio':>7s}" if amx is not None else ""
+    print(" ".join(f"{name:>{w}s}" for name, w in head) + f" {'ratio':>7s}" + amx_head)
     for b in args.batch:
         for n in args.prompt:
             for pre in args.prefix:
@@ -105,11 +113,14 @@ def main() -> None:
                 t_kernel = time_pass(kernel, fb, attn, args.repeats)
                 visible = n * pre + n * (n + 1) / 2  # scores a request's queries see
                 flops = 4 * b * args.heads * visible * args.head_dim
-                print(
+                line = (
                     f"{b:>6} {n:>7} {pre:>7} {t_sdpa * 1e3:>14.2f} {t_kernel * 1e3:>16.2f} "
-                    f"{flops / t_kernel / 1e9:>8.0f} {t_sdpa / t_kernel:>6.2f}x",
-                    flush=True,
+                    f"{flops / t_kernel / 1e9:>8.0f} {t_sdpa / t_kernel:>6.2f}x"
                 )
+                if amx is not None:
+                    t_amx = time_pass(amx, fb, attn, args.repeats)
+                    line += f" {t_amx * 1e3:>13.2f} {flops / t_amx / 1e9:>8.0f} {t_sdpa / t_amx:>6.2f}x"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 
 from meshlm.scheduler.attention.cpu import KERNEL_EXTEND_MAX, CpuAttnBackend, split_extend
 from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
-from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
+from meshlm.scheduler.attention.extend_kernel import ExtendSegments, load_amx_extend_kernel, load_extend_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -176,3 +176,70 @@ def test_auto_backend_sends_bf16_to_sdpa_only_with_amx() -> None:
         pytest.skip("no C compiler")
     assert (torch.bfloat16 in impl.sdpa_kv_dtypes) == cpu_has_amx_bf16()
     assert torch.float32 not in impl.sdpa_kv_dtypes
+    if not cpu_has_amx_bf16():
+        assert impl.amx_extend is None
+
+
+def _amx_backend():
+    base = _cpu_backend(True)
+    try:
+        amx = load_amx_extend_kernel()
+    except KernelUnavailable as e:
+        pytest.skip(f"no AMX: {e}")
+    calls: list[int] = []
+
+    class Spy:
+        supports = staticmethod(amx.supports)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return amx(*args, **kwargs)
+
+    return CpuAttnBackend(base.kernel, base.extend_kernel, (torch.bfloat16,), Spy()), calls  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (14, 2, 128), (4, 4, 32), (4, 1, 96)])
+def test_amx_extend_equals_causal_attention(case: str, heads: int, kv_heads: int, dim: int) -> None:
+    """With the AMX extend kernel (on a CPU with AMX) a bf16 pool's long segments go through it,
+    ahead of SDPA and the float32 kernel, and land in the right rows: queries in blocks of 16
+    (short last blocks), keys in blocks of 32 (the causal diagonal inside a block), prefixes,
+    GQA groups of 1 to 7 heads. P is rounded to bf16 before the value product, so the tolerance
+    is the bf16 one."""
+    torch.manual_seed(0)
+    segments = CASES[case] + [(0, 33), (31, 16)]
+    fb, pool, table = _extend_batch(segments, heads, kv_heads, dim, torch.bfloat16)
+    impl, calls = _amx_backend()
+    impl.init_forward_metadata(fb)
+    t = sum(n for _, n in segments)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16)
+    q, k, v = (x.view(t, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    out = impl.forward(q, k, v, RadixAttention(heads, dim, dim**-0.5, kv_heads, 0), fb)
+    assert len(calls) == 1 and out.dtype == torch.bfloat16
+    want = _reference(q, pool, table, segments, heads, kv_heads, dim)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_amx_extend_rejects_out_of_range_segments() -> None:
+    """A slot past the pool, a prefix past the table row or a segment past the batch raises
+    IndexError before anything is read; a float32 pool or an unsupported head dim is refused."""
+    try:
+        amx = load_amx_extend_kernel()
+    except KernelUnavailable as e:
+        pytest.skip(f"no AMX: {e}")
+    fb, pool, table = _extend_batch([(4, 20)], 2, 1, 32, torch.bfloat16)
+    q, out = torch.randn(20, 2, 32).bfloat16(), torch.zeros(20, 2, 32)
+    k_buf, v_buf = pool.k_buffer[0], pool.v_buffer[0]
+    good = ExtendSegments.of([1], [4], [0], [20])
+    amx(q, k_buf, v_buf, table.req_to_token, good, 0.2, out)
+    past_batch, past_row = (
+        ExtendSegments.of([1], [4], [1], [20]),
+        ExtendSegments.of([1], [table.req_to_token.shape[1]], [0], [20]),
+    )
+    for bad in (past_batch, past_row):
+        with pytest.raises(IndexError):
+            amx(q, k_buf, v_buf, table.req_to_token, bad, 0.2, out)
+    table.req_to_token[1, 3] = k_buf.shape[0]
+    with pytest.raises(IndexError):
+        amx(q, k_buf, v_buf, table.req_to_token, good, 0.2, out)
+    assert not amx.supports(2, 1, 32, torch.float32) and not amx.supports(2, 1, 80, torch.bfloat16)

@@ -32,7 +32,12 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         raise ValueError(f"attention_backend 'cpu' needs device cpu, got {device.type}")
     from meshlm.scheduler.attention.cpu import CpuAttnBackend
     from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
-    from meshlm.scheduler.attention.extend_kernel import ExtendKernel, load_extend_kernel
+    from meshlm.scheduler.attention.extend_kernel import (
+        AmxExtendKernel,
+        ExtendKernel,
+        load_amx_extend_kernel,
+        load_extend_kernel,
+    )
     from meshlm.scheduler.kernels.cpu_features import cpu_has_amx_bf16
 
     try:
@@ -47,4 +52,10 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         extend = load_extend_kernel()
     except KernelUnavailable as e:
         log.info("CPU extend-attention kernel unavailable (%s); long extend segments use SDPA", e)
-    return CpuAttnBackend(decode, extend, (torch.bfloat16,) if cpu_has_amx_bf16() else ())
+    amx: AmxExtendKernel | None = None
+    if cpu_has_amx_bf16():
+        try:
+            amx = load_amx_extend_kernel()
+        except KernelUnavailable as e:
+            log.info("AMX extend-attention kernel unavailable (%s); bf16 prompts use SDPA", e)
+    return CpuAttnBackend(decode, extend, (torch.bfloat16,) if cpu_has_amx_bf16() else (), amx)

@@ -10,7 +10,9 @@ same kernel: its query token a, at absolute position prefix + a, is a decode que
 first prefix + a + 1 slots of its request's row. Longer segments go through the extend kernel
 (extend_kernel.py, csrc/extend_attention.c: causal flash attention with GEMM-shaped tiles, all
 the segments of the batch in one call), or torch's SDPA where this build has no such kernel.
-A pool whose dtype the kernels do not read (fp8) falls back to torch.
+On a CPU with AMX a bf16 pool's long segments go through the AMX extend kernel instead
+(csrc/extend_attention_amx.c: the same flash attention on bf16 tiles). A pool whose dtype the
+kernels do not read (fp8) falls back to torch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshlm.scheduler.attention.cpu_kernel import SUPPORTED_KV_DTYPES, DecodeKernel
-from meshlm.scheduler.attention.extend_kernel import ExtendKernel, ExtendSegments
+from meshlm.scheduler.attention.extend_kernel import AmxExtendKernel, ExtendKernel, ExtendSegments
 from meshlm.scheduler.attention.torch_native import ExtendMeta, TorchNativeAttnBackend, extend_meta
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardMode
 
@@ -94,7 +96,9 @@ def split_extend(fb: ForwardBatch) -> _SplitExtendMeta:
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
-    """`sdpa_kv_dtypes`: pool dtypes whose long extend segments go to torch's SDPA even where the
+    """`amx_extend`: the AMX extend kernel, which takes a bf16 pool's long extend segments where
+    given (on a CPU with AMX; ahead of SDPA and the float32 kernel).
+    `sdpa_kv_dtypes`: pool dtypes whose long extend segments go to torch's SDPA even where the
     extend kernel builds. The kernel computes in float32 FMAs; on a CPU with AMX, SDPA's flash
     attention multiplies bf16 tiles natively and is 2-2.8x faster on a bf16 pool
     (`python bench/bench_extend_attention.py --dtype bfloat16`, 2-core AMX Xeon), so create_backend
@@ -106,10 +110,12 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         kernel: DecodeKernel,
         extend_kernel: ExtendKernel | None,
         sdpa_kv_dtypes: tuple[torch.dtype, ...] = (),
+        amx_extend: AmxExtendKernel | None = None,
     ) -> None:
         self.kernel = kernel
         self.extend_kernel = extend_kernel
         self.sdpa_kv_dtypes = sdpa_kv_dtypes
+        self.amx_extend = amx_extend
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pool = fb.token_to_kv_pool
@@ -169,8 +175,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if km is not None and meta.kernel_tokens is None:
             return self.kernel(q, k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling).to(q.dtype)
         h, d = q.shape[1], q.shape[2]
-        ext = self.extend_kernel
-        use_kernel = (
+        ext, amx = self.extend_kernel, self.amx_extend
+        use_amx = meta.long is not None and amx is not None and amx.supports(h, layer.num_kv_heads, d, k_buf.dtype)
+        use_kernel = use_amx or (
             meta.long is not None
             and ext is not None
             and k_buf.dtype not in self.sdpa_kv_dtypes
@@ -186,9 +193,10 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if meta.long is None:
             return out
         if use_kernel:
-            assert ext is not None and fb.req_to_token_pool is not None
+            kernel = amx if use_amx else ext
+            assert kernel is not None and fb.req_to_token_pool is not None
             table = fb.req_to_token_pool.req_to_token
-            return ext(q, k_buf, v_buf, table, meta.long, layer.scaling, out).to(q.dtype)
+            return kernel(q, k_buf, v_buf, table, meta.long, layer.scaling, out).to(q.dtype)
         if meta.sdpa is None:
             meta.sdpa = extend_meta(fb, meta.long_segments)
         return self.extend(q, k, v, k_buf, v_buf, layer, meta.sdpa, out)

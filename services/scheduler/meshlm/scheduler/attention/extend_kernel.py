@@ -14,9 +14,11 @@ import torch
 from meshlm.scheduler.attention.cpu_kernel import KV_DTYPE_CODES, check_pool, check_table, raise_for_status
 from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 
-__all__ = ["ExtendKernel", "ExtendSegments", "load_extend_kernel"]
+__all__ = ["AmxExtendKernel", "ExtendKernel", "ExtendSegments", "load_amx_extend_kernel", "load_extend_kernel"]
 
 SOURCE = Path(__file__).with_name("csrc") / "extend_attention.c"
+AMX_SOURCE = Path(__file__).with_name("csrc") / "extend_attention_amx.c"
+AMX_HEAD_DIMS = (32, 64, 96, 128)  # csrc/extend_attention_amx.c
 MAX_HEAD_DIM = 256  # head dims: multiples of 16 up to this (csrc/extend_attention.c)
 
 
@@ -108,6 +110,83 @@ class ExtendKernel:
         shape = f"heads/dim or segments (H={h}, Hkv={hkv}, D={d}, T={t})"
         raise_for_status(rc, "extend", shape, "a segment", req_to_token, k_buf)
         return out
+
+
+class AmxExtendKernel:
+    """ctypes binding of meshlm_extend_attention_amx: the same call as ExtendKernel for a bf16
+    pool and bf16 queries, on AMX tiles (csrc/extend_attention_amx.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if not lib.meshlm_extend_attention_amx_available():
+            raise KernelUnavailable("the AMX extend kernel needs AMX-BF16 (and the kernel's permission to use it)")
+        i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn = lib.meshlm_extend_attention_amx
+        fn.argtypes = [p, i64, i64, p, p, i64, i64, p, i64, i64, p, p, p, p, i64]
+        fn.argtypes += [c_int, c_int, c_int, ctypes.c_float, p, i64, c_int]
+        fn.restype = c_int
+        self._fn = fn
+
+    @staticmethod
+    def supports(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> bool:
+        """Whether the kernel takes this shape and pool dtype (bf16 only)."""
+        return dtype == torch.bfloat16 and kv_heads > 0 and heads % kv_heads == 0 and dim in AMX_HEAD_DIMS
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        req_to_token: torch.Tensor,
+        segments: ExtendSegments,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """As ExtendKernel.__call__, with q, k_buf and v_buf in bfloat16 (q of another dtype is
+        converted)."""
+        t, h, d = q.shape
+        hkv = check_pool(k_buf, v_buf, d)
+        check_table(req_to_token)
+        if k_buf.dtype != torch.bfloat16:
+            raise ValueError(f"the AMX extend kernel reads a bfloat16 pool, got {k_buf.dtype}")
+        if q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.to(torch.bfloat16).contiguous()
+        if out.dtype != torch.float32 or out.shape != (t, h, d) or out.stride(2) != 1 or out.stride(1) != d:
+            raise ValueError(f"out must be float32 [{t}, {h}, {d}] with contiguous heads")
+        seg = [x.to(torch.int64).contiguous() for x in (segments.rows, segments.prefix, segments.starts, segments.lens)]
+        n = seg[0].shape[0]
+        if any(x.shape != (n,) for x in seg):
+            raise ValueError("segment rows, prefix, starts and lens must be [S] each")
+        rc = self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            t,
+            k_buf.data_ptr(),
+            v_buf.data_ptr(),
+            k_buf.stride(0),
+            k_buf.shape[0],
+            req_to_token.data_ptr(),
+            req_to_token.shape[0],
+            req_to_token.stride(0),
+            *(x.data_ptr() for x in seg),
+            n,
+            h,
+            hkv,
+            d,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        shape = f"heads/dim or segments (H={h}, Hkv={hkv}, D={d}, T={t})"
+        raise_for_status(rc, "AMX extend", shape, "a segment", req_to_token, k_buf)
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_amx_extend_kernel() -> AmxExtendKernel:
+    """The AMX kernel for this machine, built on first use; raises KernelUnavailable where the CPU
+    (or the OS) has no AMX-BF16."""
+    return AmxExtendKernel(load_library(AMX_SOURCE))
 
 
 @functools.lru_cache(maxsize=1)

@@ -242,4 +242,7 @@ def test_amx_extend_rejects_out_of_range_segments() -> None:
     table.req_to_token[1, 3] = k_buf.shape[0]
     with pytest.raises(IndexError):
         amx(q, k_buf, v_buf, table.req_to_token, good, 0.2, out)
-    assert not amx.supports(2, 1, 32, torch.float32) and not amx.supports(2, 1, 80, torch.bfloat16)
+    assert not amx.supports(2, 1, 80) and amx.supports(2, 1, 32)
+    with pytest.raises(ValueError, match="pool dtype"):
+        f32 = _extend_batch([(4, 20)], 2, 1, 32, torch.float32)[1]
+        amx(q, f32.k_buffer[0], f32.v_buffer[0], table.req_to_token, good, 0.2, out)

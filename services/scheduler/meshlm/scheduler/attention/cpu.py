@@ -176,7 +176,12 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return self.kernel(q, k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling).to(q.dtype)
         h, d = q.shape[1], q.shape[2]
         ext, amx = self.extend_kernel, self.amx_extend
-        use_amx = meta.long is not None and amx is not None and amx.supports(h, layer.num_kv_heads, d, k_buf.dtype)
+        use_amx = (
+            meta.long is not None
+            and amx is not None
+            and k_buf.dtype == torch.bfloat16
+            and amx.supports(h, layer.num_kv_heads, d)
+        )
         use_kernel = use_amx or (
             meta.long is not None
             and ext is not None

@@ -44,11 +44,15 @@ class ExtendSegments:
 class ExtendKernel:
     """ctypes binding of meshlm_extend_attention (see the C file for the layouts)."""
 
+    SYMBOL = "meshlm_extend_attention"  # the C entry; SYMBOL + "_available" says whether it runs here
+    NEEDS = "AVX2 + FMA"
+    Q_DTYPE = torch.float32  # the queries' dtype in C (q of another dtype is converted)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        if not lib.meshlm_extend_attention_available():
-            raise KernelUnavailable("the extend-attention kernel needs AVX2 + FMA, which this build lacks")
+        if not getattr(lib, self.SYMBOL + "_available")():
+            raise KernelUnavailable(f"{self.SYMBOL} needs {self.NEEDS}, which this build or CPU lacks")
         i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn = lib.meshlm_extend_attention
+        fn = getattr(lib, self.SYMBOL)
         fn.argtypes = [p, i64, i64, p, p, c_int, i64, i64, p, i64, i64, p, p, p, p, i64]
         fn.argtypes += [c_int, c_int, c_int, ctypes.c_float, p, i64, c_int]
         fn.restype = c_int
@@ -77,8 +81,8 @@ class ExtendKernel:
         t, h, d = q.shape
         hkv = check_pool(k_buf, v_buf, d)
         check_table(req_to_token)
-        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
-            q = q.to(torch.float32).contiguous()
+        if q.dtype != self.Q_DTYPE or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.to(self.Q_DTYPE).contiguous()
         if out.dtype != torch.float32 or out.shape != (t, h, d) or out.stride(2) != 1 or out.stride(1) != d:
             raise ValueError(f"out must be float32 [{t}, {h}, {d}] with contiguous heads")
         seg = [x.to(torch.int64).contiguous() for x in (segments.rows, segments.prefix, segments.starts, segments.lens)]
@@ -107,79 +111,23 @@ class ExtendKernel:
             out.stride(0),
             torch.get_num_threads(),
         )
-        shape = f"heads/dim or segments (H={h}, Hkv={hkv}, D={d}, T={t})"
+        shape = f"heads/dim, pool dtype or segments (H={h}, Hkv={hkv}, D={d}, T={t}, {k_buf.dtype})"
         raise_for_status(rc, "extend", shape, "a segment", req_to_token, k_buf)
         return out
 
 
-class AmxExtendKernel:
-    """ctypes binding of meshlm_extend_attention_amx: the same call as ExtendKernel for a bf16
-    pool and bf16 queries, on AMX tiles (csrc/extend_attention_amx.c)."""
+class AmxExtendKernel(ExtendKernel):
+    """ctypes binding of meshlm_extend_attention_amx: ExtendKernel's call for a bf16 pool (bf16
+    queries), on AMX tiles (csrc/extend_attention_amx.c); another pool dtype raises ValueError."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        if not lib.meshlm_extend_attention_amx_available():
-            raise KernelUnavailable("the AMX extend kernel needs AMX-BF16 (and the kernel's permission to use it)")
-        i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn = lib.meshlm_extend_attention_amx
-        fn.argtypes = [p, i64, i64, p, p, i64, i64, p, i64, i64, p, p, p, p, i64]
-        fn.argtypes += [c_int, c_int, c_int, ctypes.c_float, p, i64, c_int]
-        fn.restype = c_int
-        self._fn = fn
+    SYMBOL = "meshlm_extend_attention_amx"
+    NEEDS = "AMX-BF16 (and the OS's permission to use it)"
+    Q_DTYPE = torch.bfloat16
 
     @staticmethod
-    def supports(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> bool:
-        """Whether the kernel takes this shape and pool dtype (bf16 only)."""
-        return dtype == torch.bfloat16 and kv_heads > 0 and heads % kv_heads == 0 and dim in AMX_HEAD_DIMS
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
-        req_to_token: torch.Tensor,
-        segments: ExtendSegments,
-        scale: float,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """As ExtendKernel.__call__, with q, k_buf and v_buf in bfloat16 (q of another dtype is
-        converted)."""
-        t, h, d = q.shape
-        hkv = check_pool(k_buf, v_buf, d)
-        check_table(req_to_token)
-        if k_buf.dtype != torch.bfloat16:
-            raise ValueError(f"the AMX extend kernel reads a bfloat16 pool, got {k_buf.dtype}")
-        if q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != d:
-            q = q.to(torch.bfloat16).contiguous()
-        if out.dtype != torch.float32 or out.shape != (t, h, d) or out.stride(2) != 1 or out.stride(1) != d:
-            raise ValueError(f"out must be float32 [{t}, {h}, {d}] with contiguous heads")
-        seg = [x.to(torch.int64).contiguous() for x in (segments.rows, segments.prefix, segments.starts, segments.lens)]
-        n = seg[0].shape[0]
-        if any(x.shape != (n,) for x in seg):
-            raise ValueError("segment rows, prefix, starts and lens must be [S] each")
-        rc = self._fn(
-            q.data_ptr(),
-            q.stride(0),
-            t,
-            k_buf.data_ptr(),
-            v_buf.data_ptr(),
-            k_buf.stride(0),
-            k_buf.shape[0],
-            req_to_token.data_ptr(),
-            req_to_token.shape[0],
-            req_to_token.stride(0),
-            *(x.data_ptr() for x in seg),
-            n,
-            h,
-            hkv,
-            d,
-            scale,
-            out.data_ptr(),
-            out.stride(0),
-            torch.get_num_threads(),
-        )
-        shape = f"heads/dim or segments (H={h}, Hkv={hkv}, D={d}, T={t})"
-        raise_for_status(rc, "AMX extend", shape, "a segment", req_to_token, k_buf)
-        return out
+    def supports(heads: int, kv_heads: int, dim: int) -> bool:
+        """Whether the kernel takes this attention shape (its pool must also be bf16)."""
+        return kv_heads > 0 and heads % kv_heads == 0 and dim in AMX_HEAD_DIMS
 
 
 @functools.lru_cache(maxsize=1)

@@ -278,21 +278,24 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t start, int
 }
 #endif
 
-/* Returns 0 on success, 1 on an unsupported shape (or no AMX), 2 when scratch memory could not
+/* The arguments of meshlm_extend_attention (extend_attention.c), q in bf16 and kv_dtype 1 (bf16)
+ * only. Returns 0 on success, 1 on an unsupported shape or dtype (or no AMX), 2 when scratch memory could not
  * be allocated, 3 when a segment names a row, prefix, start, length or slot out of range
  * (checked before anything is read). */
 int meshlm_extend_attention_amx(const void *q, int64_t q_stride, int64_t T, const void *k, const void *v,
-                                int64_t tok_stride, int64_t num_slots, const int64_t *table, int64_t table_rows,
+                                int kv_dtype, int64_t tok_stride, int64_t num_slots, const int64_t *table, int64_t table_rows,
                                 int64_t table_stride, const int64_t *rows, const int64_t *prefix,
                                 const int64_t *starts, const int64_t *lens, int64_t S, int H, int Hkv, int D,
                                 float scale, float *out, int64_t out_stride, int num_threads) {
 #ifndef HAVE_AMX
-    (void)q, (void)q_stride, (void)T, (void)k, (void)v, (void)tok_stride, (void)num_slots, (void)table;
+    (void)q, (void)q_stride, (void)T, (void)k, (void)v, (void)kv_dtype, (void)tok_stride, (void)num_slots, (void)table;
     (void)table_rows, (void)table_stride, (void)rows, (void)prefix, (void)starts, (void)lens, (void)S, (void)H;
     (void)Hkv, (void)D, (void)scale, (void)out, (void)out_stride, (void)num_threads;
     return 1;
 #else
-    if (H <= 0 || Hkv <= 0 || H % Hkv != 0 || D % 32 != 0 || D < 32 || D > 128 || !amx_permitted()) return 1;
+    if (kv_dtype != 1 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D % 32 != 0 || D < 32 || D > 128 ||
+        !amx_permitted())
+        return 1;
     for (int64_t s = 0; s < S; s++)
         if (bad_segment(table, table_rows, table_stride, num_slots, T, rows[s], prefix[s], starts[s], lens[s]))
             return 3;

@@ -2,10 +2,11 @@
 
 The source is compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
 (-march=native), into `kernels/` of the meshlm cache ($MESHLM_CACHE, else ~/.cache/meshlm; the
-temp folder when that is not writable). The library's name hashes the source, the compiler, the
-flags and the CPU's model and flags, so a changed source, compiler flag or machine never loads a
-stale build; processes that build at once each write a private file and rename it into place
-(atomic), so no lock is needed.
+temp folder when that is not writable). The library's name hashes the source (with the headers
+it includes by `#include "name"` from its own folder), the compiler, the flags and the CPU's
+model and flags, so a changed source, header, compiler flag or machine never loads a stale build;
+processes that build at once each write a private file and rename it into place (atomic), so no
+lock is needed.
 
 The build is two steps on purpose: -ffast-math (vectorised expf and reductions) is a compile
 flag only. Linking a shared library with -ffast-math makes GCC add crtfastmath.o, which turns on
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -67,6 +69,17 @@ def cache_dir() -> Path:
     raise KernelUnavailable(f"no writable kernel cache folder among {[str(c) for c in candidates]}")
 
 
+LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path) -> bytes:
+    """What a build of `source` depends on: its text and, in order, that of each header it includes
+    with quotes from its own folder (one level: our headers include no headers of ours)."""
+    text = source.read_bytes()
+    headers = [source.parent / name.decode() for name in LOCAL_INCLUDE.findall(text)]
+    return b"\0".join([text, *(h.read_bytes() for h in headers if h.is_file())])
+
+
 def compile_library(cc: str, flags: tuple[str, ...], source: Path, out: Path) -> None:
     """Compile `source` to the shared library `out` (written under a private name, then renamed)."""
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
@@ -92,7 +105,7 @@ def load_library(source: Path) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise KernelUnavailable("no C compiler found (set CC or install gcc)")
-    text = source.read_bytes()
+    text = source_bytes(source)
     cache = cache_dir()
     errors = []
     for flags in FLAG_SETS:

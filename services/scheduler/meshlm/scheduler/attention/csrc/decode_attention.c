@@ -49,11 +49,10 @@
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_AMX 1
 #endif
 #endif
+#include "amx.h"
 
 #define PREFETCH 12  /* tokens ahead */
 #define BLOCK 16    /* keys a block in the bf16 path (hsum16 gathers 16 scores) */
@@ -174,28 +173,9 @@ static inline int block_rows(const uint16_t *pool, int64_t tok_stride, const int
 }
 
 #ifdef HAVE_AMX
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* 1 when the process may use AMX tiles: Linux grants XTILEDATA per process on request (the
- * request is idempotent; torch's oneDNN makes the same one). */
-static int amx_permitted(void) {
-    static volatile int state = 0; /* 0 not asked yet, 1 granted, -1 refused (a benign race: both ask) */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* Tiles of the scores pass, all 16 rows x 64 bytes: 0 = S (16 keys x 16 heads, float32),
- * 1 = K (16 keys x 32 dims, bf16), 2 = Q (16 dim pairs x 16 heads x 2, bf16, VNNI order). */
-static void amx_configure(void) {
-    uint8_t cfg[64] = {0};
-    cfg[0] = 1; /* palette 1 */
-    for (int t = 0; t < 8; t++) {
-        cfg[16 + 2 * t] = 64; /* bytes a row (colsb, uint16 little-endian) */
-        cfg[48 + t] = 16;     /* rows */
-    }
-    _tile_loadconfig(cfg);
-}
+/* Tiles of the scores pass (amx_configure: all 16 rows x 64 bytes): 0 = S (16 keys x 16 heads,
+ * float32), 1 = K (16 keys x 32 dims, bf16), 2 .. 7 = Q tiles (16 dim pairs x 16 heads x 2, bf16,
+ * VNNI order): all of a request's when Hkv * D / 32 <= 6, else tile 2 reloaded per chunk. */
 
 /* AMX scratch of one thread, in uint16 elements: the Q tiles of a request (Hkv * C of 512) and a
  * block's K rows gathered (BLOCK * Hkv * D). */

@@ -37,27 +37,14 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_AMX 1
 #endif
+#include "amx.h"
 
 #define QR 16      /* query tokens a work item (rows of a tile) */
 #define KB 32      /* keys a block (bf16 columns of a P tile row) */
 #define NEG -1e30f /* score of a masked key: exp(NEG - m) underflows to 0 */
 #define TILE 512   /* bf16 elements a 16 x 64-byte tile */
-
-#ifdef HAVE_AMX
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* 1 when the process may use AMX tiles (Linux grants XTILEDATA per process, on request). */
-static int amx_permitted(void) {
-    static volatile int state = 0; /* 0 not asked yet, 1 granted, -1 refused (a benign race: both ask) */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-#endif
 
 int meshlm_extend_attention_amx_available(void) {
 #ifdef HAVE_AMX
@@ -81,17 +68,8 @@ static int bad_segment(const int64_t *table, int64_t table_rows, int64_t table_s
 }
 
 #ifdef HAVE_AMX
-/* All eight tiles 16 rows x 64 bytes. attend_block uses: 0, 1 scores (keys 0-15, 16-31 of a
- * block), then 0 = an output tile and 1 = P; 2 a K or V tile; 4 .. 4 + C - 1 the queries. */
-static void amx_configure(void) {
-    uint8_t cfg[64] = {0};
-    cfg[0] = 1; /* palette 1 */
-    for (int t = 0; t < 8; t++) {
-        cfg[16 + 2 * t] = 64; /* bytes a row (colsb, uint16 little-endian) */
-        cfg[48 + t] = 16;     /* rows */
-    }
-    _tile_loadconfig(cfg);
-}
+/* Tiles (amx_configure): attend_block uses 0, 1 for scores (keys 0-15, 16-31 of a block), then
+ * 0 = an output tile and 1 = P; 2 a K or V tile; 4 .. 4 + C - 1 the queries. */
 
 /* exp(x) over 16 lanes (relative error ~1e-7; below -87.3 it returns ~1e-38, not 0): 2^n * e^r
  * with n = round(x / ln 2) and a degree-6 polynomial on |r| <= ln 2 / 2. */

@@ -3,7 +3,7 @@
 The source is compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
 (-march=native), into `kernels/` of the meshlm cache ($MESHLM_CACHE, else ~/.cache/meshlm; the
 temp folder when that is not writable). The library's name hashes the source (with the headers
-it includes by `#include "name"` from its own folder), the compiler, the flags and the CPU's
+it includes by `#include "path"`, relative to its own folder), the compiler, the flags and the CPU's
 model and flags, so a changed source, header, compiler flag or machine never loads a stale build;
 processes that build at once each write a private file and rename it into place (atomic), so no
 lock is needed.
@@ -74,7 +74,8 @@ LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILIN
 
 def source_bytes(source: Path) -> bytes:
     """What a build of `source` depends on: its text and, in order, that of each header it includes
-    with quotes from its own folder (one level: our headers include no headers of ours)."""
+    with quotes, by a path relative to its own folder (one level: our headers include no headers
+    of ours)."""
     text = source.read_bytes()
     headers = [source.parent / name.decode() for name in LOCAL_INCLUDE.findall(text)]
     return b"\0".join([text, *(h.read_bytes() for h in headers if h.is_file())])

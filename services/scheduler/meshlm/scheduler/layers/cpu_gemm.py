@@ -17,7 +17,9 @@ work. Each linear's weight is therefore held in a ready layout:
     (kernels/gemv_bf16.py), over the checkpoint's exact weights;
   * in bfloat16 on CPUs with AVX512-BF16 but no AMX: the bf16 panel GEMM's layout
     (kernels/gemm_bf16.py) instead of oneDNN's, for every other bf16 batch; there it beats
-    oneDNN at decode sizes and ties it on prompt chunks, so no oneDNN copy is kept.
+    oneDNN at decode sizes and ties it on prompt chunks, so no oneDNN copy is kept;
+  * in bfloat16 on CPUs with AMX: also the AMX GEMM's tile order (kernels/gemm_amx.py), for
+    bf16 batches of up to its max_rows (decode), beside oneDNN's copy for prompt chunks.
 
 Results equal F.linear up to summation order (the blocks reproduce the weights bit for bit);
 in bf16, oneDNN multiplies the weights rounded to bf16 and the block GEMV the exact ones.
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from meshlm.scheduler.kernels.gemm_amx import packable as amx_packable
 from meshlm.scheduler.kernels.gemm_bf16 import packable as panel_packable
 from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
 from meshlm.scheduler.kernels.gemm_q import GEMM_MAX_ROWS, GEMV_MAX_ROWS_BESIDE_GEMM, QPanelWeight, gemm_q_ops_or_none
@@ -38,6 +41,7 @@ from meshlm.scheduler.kernels.gemv import MAX_ROWS
 from meshlm.scheduler.kernels.gemv_bf16 import FORMATS as BF16_BLOCK_FORMATS
 
 if TYPE_CHECKING:
+    from meshlm.scheduler.kernels.gemm_amx import AmxGemmBf16, AmxWeight
     from meshlm.scheduler.kernels.gemm_bf16 import PanelGemmBf16, PanelWeightBf16
     from meshlm.scheduler.kernels.gemv import GemvOps, GemvWeight
     from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
@@ -79,6 +83,7 @@ class PackPlan:
     gemv_ops: GemvOps | None = None
     gemv_bf16: BlockGemvBf16 | None = None
     gemm_bf16: PanelGemmBf16 | None = None
+    gemm_amx: AmxGemmBf16 | None = None
     checks: PackChecks = field(default_factory=PackChecks)
 
 
@@ -92,7 +97,13 @@ def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, plan: PackPlan | N
         return None
     try:
         packed = PackedLinear(
-            weight, bias, gemv_ops=plan.gemv_ops, dtype=dtype, gemv_bf16=plan.gemv_bf16, gemm_bf16=plan.gemm_bf16
+            weight,
+            bias,
+            gemv_ops=plan.gemv_ops,
+            dtype=dtype,
+            gemv_bf16=plan.gemv_bf16,
+            gemm_bf16=plan.gemm_bf16,
+            gemm_amx=plan.gemm_amx,
         )
     except RuntimeError as e:
         log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, e)
@@ -124,6 +135,10 @@ class PackedLinear:
     With dtype bfloat16 and `gemm_bf16` (a CPU with AVX512-BF16, no AMX), the weight rounded to
     bf16 is held in the panel GEMM's layout (`panels`) instead of oneDNN's (`packed` is None),
     and every bf16 batch the block GEMV does not take goes through it.
+
+    With dtype bfloat16 and `gemm_amx` (a CPU with AMX), the weight rounded to bf16 is also held
+    in the AMX GEMM's tile order (`amx`), and bf16 batches of up to gemm_amx.max_rows rows the
+    block GEMV does not take go through it; larger ones through oneDNN.
     """
 
     def __init__(
@@ -135,6 +150,7 @@ class PackedLinear:
         dtype: torch.dtype | None = None,
         gemv_bf16: BlockGemvBf16 | None = None,
         gemm_bf16: PanelGemmBf16 | None = None,
+        gemm_amx: AmxGemmBf16 | None = None,
     ) -> None:
         dtype = dtype or weight.dtype
         if weight.device.type != "cpu" or dtype not in PACK_DTYPES or weight.dim() != 2:
@@ -167,7 +183,11 @@ class PackedLinear:
             self.gemm_bf16, self.panels = gemm_bf16, gemm_bf16.pack(weight)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), batch_hint)
-        if bias is not None and (self.gemv_bf16 is not None or self.gemm_bf16 is not None):
+        self.gemm_amx: AmxGemmBf16 | None = None
+        self.amx: AmxWeight | None = None
+        if dtype == torch.bfloat16 and gemm_amx is not None and amx_packable(*weight.shape):
+            self.gemm_amx, self.amx = gemm_amx, gemm_amx.pack(weight)
+        if bias is not None and (self.gemv_bf16 is not None or self.gemm_bf16 is not None or self.amx is not None):
             self.bias_f32 = bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,6 +203,8 @@ class PackedLinear:
                 return self.gemv_ops.gemv(rows, self.small, self.bias)
             if self.gemm_ops is not None and self.blocks is not None and x.shape[0] <= GEMM_MAX_ROWS:
                 return self.gemm_ops.gemm(rows, self.blocks, self.bias)
+        if self.gemm_amx is not None and self.amx is not None and 0 < x.shape[0] <= self.gemm_amx.max_rows:
+            return self.gemm_amx.gemm(x.to(torch.bfloat16), self.amx, self.bias_f32)
         if self.gemm_bf16 is not None and self.panels is not None:  # a bf16 model: bf16 activations
             return self.gemm_bf16.gemm(x.to(torch.bfloat16), self.panels, self.bias_f32)
         assert self.packed is not None
@@ -191,7 +213,7 @@ class PackedLinear:
     def layout(self) -> tuple[object, ...]:
         """What decides which kernels run and how (see PackChecks)."""
         fmt = self.small.format if self.small is not None else None
-        kernels = (self.blocks is not None, self.gemv_bf16 is not None, self.panels is not None)
+        kernels = (self.blocks is not None, self.gemv_bf16 is not None, self.panels is not None, self.amx is not None)
         return (self.out_features, self.in_features, self.dtype, fmt, kernels, self.bias is not None)
 
     def matches(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -201,8 +223,9 @@ class PackedLinear:
         gen = torch.Generator().manual_seed(0)
         tol = 1e-3 if self.dtype == torch.float32 else 5e-2
         small = self.gemv_rows if self.small is not None else MAX_ROWS["f32"]
-        # every path; partial micro-panels; two of the panel GEMM's 256-row blocks
-        for rows in (max(small - 1, 1), small, 2 * small + 1, 64 + 5, 256 + 3):
+        # every path; partial micro-panels and tiles (AMX: two row-block pairs, the second
+        # short); two of the panel GEMM's 256-row blocks
+        for rows in (max(small - 1, 1), small, 2 * small + 1, 37, 64 + 5, 256 + 3):
             x = torch.randn(rows, self.in_features, generator=gen).to(self.dtype)
             want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
             got = self(x).float()

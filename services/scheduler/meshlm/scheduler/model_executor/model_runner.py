@@ -22,6 +22,7 @@ from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
 from meshlm.scheduler.kernels.cpu_ops import CpuOps, cpu_ops_or_none
+from meshlm.scheduler.kernels.gemm_amx import AMX_GEMM_MAX_ROWS, AmxGemmBf16, gemm_amx_or_none
 from meshlm.scheduler.kernels.gemm_bf16 import PanelGemmBf16, gemm_bf16_or_none
 from meshlm.scheduler.kernels.gemv import GemvOps, gemv_ops_or_none
 from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16, gemv_bf16_or_none
@@ -145,8 +146,10 @@ class ModelRunner:
         SiluAndMul, the RoPE of LlamaModel). fused_ops=torch keeps plain eager torch."""
         if self.device.type != "cpu" or self.config.fused_ops != "auto":
             return
-        gemm_bf16 = gemm_bf16_or_none() if self.dtype == torch.bfloat16 else None
-        self.prepack_linears(gemv_ops_or_none(), self.gemv_bf16, gemm_bf16)
+        bf16 = self.dtype == torch.bfloat16
+        gemm_bf16 = gemm_bf16_or_none() if bf16 else None
+        gemm_amx = gemm_amx_or_none() if bf16 else None
+        self.prepack_linears(gemv_ops_or_none(), self.gemv_bf16, gemm_bf16, gemm_amx)
         ops = cpu_ops_or_none()
         if ops is None:
             return
@@ -163,6 +166,7 @@ class ModelRunner:
         gemv_ops: GemvOps | None = None,
         gemv_bf16: BlockGemvBf16 | None = None,
         gemm_bf16: PanelGemmBf16 | None = None,
+        gemm_amx: AmxGemmBf16 | None = None,
     ) -> None:
         """Every linear layer's weight (and the LM head) into the layouts its kernels read
         (layers/cpu_gemm.py); layers this torch build cannot pack keep F.linear. With gemv_ops
@@ -170,7 +174,8 @@ class ModelRunner:
         blocks (GEMV for a few rows, the block GEMM up to 256), any other a dense copy streamed
         by the GEMV for batches of <= 4 rows. With gemv_bf16 (a bf16 model loaded in float32), a
         weight that is GGUF blocks keeps them for bf16 batches of <= BF16_GEMV_MAX_ROWS rows. With
-        gemm_bf16 (AVX512-BF16 without AMX), bf16 weights go to the panel GEMM instead of oneDNN."""
+        gemm_bf16 (AVX512-BF16 without AMX), bf16 weights go to the panel GEMM instead of oneDNN.
+        With gemm_amx (AMX), bf16 decode batches go to the AMX GEMM, prompt chunks to oneDNN."""
         if not prepack_supported():
             logger.warning("oneDNN is not available in this torch build; linears use F.linear")
             return
@@ -178,7 +183,8 @@ class ModelRunner:
         cache = gemv_ops.cache if gemv_ops is not None else None
         before = dataclasses.replace(cache.stats) if cache is not None else None
         packed: list[PackedLinear] = []
-        plan = PackPlan(self.dtype, gemv_ops, gemv_bf16, gemm_bf16)  # one self-check per layout, not per weight
+        # one self-check per layout, not per weight
+        plan = PackPlan(self.dtype, gemv_ops, gemv_bf16, gemm_bf16, gemm_amx)
         for module in self.model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(plan):
                 assert module.packed is not None
@@ -194,7 +200,8 @@ class ModelRunner:
         )
         logger.info(
             "prepacked %d linear weights in %.2fs: %d also as GGUF blocks (GEMV + block GEMM), %d as GGUF "
-            "blocks for bf16 batches of <= %d rows, %d for the bf16 panel GEMM, %d for oneDNN; small-batch GEMV "
+            "blocks for bf16 batches of <= %d rows, %d for the bf16 panel GEMM, %d for the AMX GEMM (<= %d rows), "
+            "%d for oneDNN; small-batch GEMV "
             "weights: %s (%.0f MiB with the GEMM panels)",
             len(packed),
             time.perf_counter() - t0,
@@ -202,6 +209,8 @@ class ModelRunner:
             sum(p.gemv_bf16 is not None for p in packed),
             BF16_GEMV_MAX_ROWS,
             sum(p.panels is not None for p in packed),
+            sum(p.amx is not None for p in packed),
+            AMX_GEMM_MAX_ROWS,
             sum(p.packed is not None for p in packed),
             ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none",
             small_mib,

@@ -52,7 +52,7 @@
 #define HAVE_AMX 1
 #endif
 #endif
-#include "amx.h"
+#include "../../kernels/csrc/amx.h"
 
 #define PREFETCH 12  /* tokens ahead */
 #define BLOCK 16    /* keys a block in the bf16 path (hsum16 gathers 16 scores) */

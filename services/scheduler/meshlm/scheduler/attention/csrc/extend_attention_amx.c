@@ -39,7 +39,7 @@
 #include <immintrin.h>
 #define HAVE_AMX 1
 #endif
-#include "amx.h"
+#include "../../kernels/csrc/amx.h"
 
 #define QR 16      /* query tokens a work item (rows of a tile) */
 #define KB 32      /* keys a block (bf16 columns of a P tile row) */

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bf16_gemm_testlib import bf16_reference, within_one_rounding
 
 from meshlm.scheduler.kernels.build import KernelUnavailable
 from meshlm.scheduler.kernels.gemm_amx import AmxGemmBf16, gemm_amx_or_none, load_gemm_amx, packable
+from meshlm.scheduler.kernels.gemm_bf16 import load_gemm_bf16
 from meshlm.scheduler.layers.cpu_gemm import PackChecks, PackedLinear, PackPlan, prepack_supported, try_pack
 
 
@@ -19,18 +21,6 @@ def gemm() -> AmxGemmBf16:
         return load_gemm_amx()
     except KernelUnavailable as e:
         pytest.skip(f"no AMX GEMM here: {e}")
-
-
-def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The product of the bf16 operands in float64: what the kernel rounds once to bf16."""
-    return torch.nn.functional.linear(
-        x.double(), w.to(torch.bfloat16).double(), None if bias is None else bias.double()
-    )
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Within a bf16 rounding of the result (plus float32 summation noise)."""
-    return bool(((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-3).all())
 
 
 @pytest.mark.parametrize("n", [16, 32, 48, 960])  # one block, a pair, a pair + an odd block, many
@@ -45,7 +35,7 @@ def test_gemm_equals_the_bf16_product(gemm: AmxGemmBf16, n: int, rows: int) -> N
     for bias in (None, b):
         got = gemm.gemm(x, pw, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        assert _close(got, _reference(x, w, bias))
+        assert within_one_rounding(got, bf16_reference(x, w, bias))
 
 
 def test_gemm_takes_strided_and_empty_rows(gemm: AmxGemmBf16) -> None:
@@ -54,8 +44,10 @@ def test_gemm_takes_strided_and_empty_rows(gemm: AmxGemmBf16) -> None:
     pw = gemm.pack(w)
     wide = torch.randn(41, 131).to(torch.bfloat16)
     for x in (wide[:, 1:65], wide[::2, 4:68], wide[:40, 64:128]):  # row stride 131 / 262, odd start
-        assert _close(gemm.gemm(x, pw, None), _reference(x, w, None))
-    assert _close(gemm.gemm(wide[:, 1:65].t().contiguous().t(), pw, None), _reference(wide[:, 1:65], w, None))
+        assert within_one_rounding(gemm.gemm(x, pw, None), bf16_reference(x, w, None))
+    assert within_one_rounding(
+        gemm.gemm(wide[:, 1:65].t().contiguous().t(), pw, None), bf16_reference(wide[:, 1:65], w, None)
+    )
     assert gemm.gemm(torch.empty(0, 64, dtype=torch.bfloat16), pw, None).shape == (0, 48)
 
 
@@ -72,6 +64,18 @@ def test_gemm_rejects_what_it_cannot_take(gemm: AmxGemmBf16) -> None:
         gemm.gemm(torch.randn(2, 96).to(torch.bfloat16), pw, None)
     with pytest.raises(ValueError, match="bias"):
         gemm.gemm(torch.randn(2, 64).to(torch.bfloat16), pw, torch.randn(32).to(torch.bfloat16))
+
+
+def test_gemm_refuses_a_weight_packed_for_another_kernel(gemm: AmxGemmBf16) -> None:
+    try:
+        panels = load_gemm_bf16()
+    except KernelUnavailable:
+        pytest.skip("no bf16 panel GEMM here")
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="packed for panels"):
+        gemm.gemm(x, panels.pack(torch.randn(32, 64)), None)
+    with pytest.raises(ValueError, match="packed for amx"):
+        panels.gemm(x, gemm.pack(torch.randn(32, 64)), None)
 
 
 def test_offered_only_with_amx() -> None:
@@ -96,9 +100,9 @@ def test_packed_linear_sends_decode_batches_to_amx(gemm: AmxGemmBf16, rows: int)
     assert lin.bias_f32 is not None
     if rows <= gemm.max_rows:  # the AMX kernel's own result, bit for bit
         assert torch.equal(got, gemm.gemm(x, lin.amx, lin.bias_f32))
-        assert _close(got, _reference(x, w, b))
+        assert within_one_rounding(got, bf16_reference(x, w, b))
     else:  # oneDNN's, which adds the bias to the product rounded to bf16: two roundings
-        want = _reference(x, w, b)
+        want = bf16_reference(x, w, b)
         assert bool(((got.double() - want).abs() <= want.abs() * 2**-7 + 1e-2).all())
     f32 = PackedLinear(w, b, gemm_amx=gemm)
     assert f32.amx is None  # a float32 model keeps oneDNN

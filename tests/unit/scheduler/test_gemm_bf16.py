@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bf16_gemm_testlib import bf16_reference, within_one_rounding
 
 from meshlm.scheduler.kernels.build import KernelUnavailable
 from meshlm.scheduler.kernels.gemm_bf16 import PanelGemmBf16, gemm_bf16_or_none, load_gemm_bf16, packable
@@ -21,18 +22,6 @@ def gemm() -> PanelGemmBf16:
         pytest.skip(f"no bf16 panel GEMM here: {e}")
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The product of the bf16 operands in float64: what the kernel rounds once to bf16."""
-    return torch.nn.functional.linear(
-        x.double(), w.to(torch.bfloat16).double(), None if bias is None else bias.double()
-    )
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Within a bf16 rounding of the result (plus float32 summation noise)."""
-    return bool(((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-3).all())
-
-
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 960])  # 1, 2, 3 panels; a full group + 1 or 2 panels
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 256, 257, 530])
 def test_gemm_equals_the_bf16_product(gemm: PanelGemmBf16, n: int, rows: int) -> None:
@@ -45,7 +34,7 @@ def test_gemm_equals_the_bf16_product(gemm: PanelGemmBf16, n: int, rows: int) ->
     for bias in (None, b):
         got = gemm.gemm(x, pw, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        assert _close(got, _reference(x, w, bias))
+        assert within_one_rounding(got, bf16_reference(x, w, bias))
 
 
 def test_gemm_takes_strided_misaligned_and_empty_rows(gemm: PanelGemmBf16) -> None:
@@ -54,7 +43,7 @@ def test_gemm_takes_strided_misaligned_and_empty_rows(gemm: PanelGemmBf16) -> No
     pw = gemm.pack(w)
     wide = torch.randn(9, 131).to(torch.bfloat16)
     for x in (wide[:, 1:65], wide[:, 2:66], wide[::2, 4:68]):  # odd start (misaligned), odd stride, every other row
-        assert _close(gemm.gemm(x, pw, None), _reference(x, w, None))
+        assert within_one_rounding(gemm.gemm(x, pw, None), bf16_reference(x, w, None))
     assert gemm.gemm(torch.empty(0, 64, dtype=torch.bfloat16), pw, None).shape == (0, 48)
 
 
@@ -92,7 +81,7 @@ def test_packed_linear_holds_panels_instead_of_onednn(gemm: PanelGemmBf16, rows:
     lin = PackedLinear(w, b, dtype=torch.bfloat16, gemm_bf16=gemm)
     assert lin.panels is not None and lin.packed is None  # one bf16 copy of the weight, not two
     x = torch.randn(rows, 576).to(torch.bfloat16)
-    assert _close(lin(x), _reference(x, w, b))
+    assert within_one_rounding(lin(x), bf16_reference(x, w, b))
     assert lin(x.float()).dtype == torch.bfloat16  # float32 rows are multiplied as bf16
     odd = PackedLinear(torch.randn(40, 576), None, dtype=torch.bfloat16, gemm_bf16=gemm)
     assert odd.panels is None and odd.packed is not None  # not whole panels: oneDNN's layout

@@ -12,13 +12,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 from meshlm.scheduler.kernels.cpu_features import cpu_flags, cpu_has_amx_bf16
+from meshlm.scheduler.kernels.packed_gemm import PackedGemmBf16, PackedWeightBf16
 
 log = logging.getLogger(__name__)
 
@@ -29,26 +29,16 @@ TILE_K = 32  # k a tile row
 AMX_GEMM_MAX_ROWS = 64
 
 
-@dataclass(frozen=True)
-class AmxWeight:
-    """A [out_features, in_features] weight rounded to bf16, in the kernel's tile order."""
-
-    data: torch.Tensor
-    out_features: int
-    in_features: int
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
-
 def packable(out_features: int, in_features: int) -> bool:
     """Whether the kernel takes a weight of this shape (whole column blocks and k-chunks)."""
-    return out_features > 0 and in_features > 0 and out_features % TILE_N == 0 and in_features % TILE_K == 0
+    return AmxGemmBf16.shape_problem(out_features, in_features) is None
 
 
-class AmxGemmBf16:
-    """ctypes binding; `pack` and `gemm` check shapes before handing pointers to C."""
+class AmxGemmBf16(PackedGemmBf16):
+    """ctypes binding; the shared checks (kernels/packed_gemm.py) run before C is called."""
 
+    name = "AMX GEMM"
+    layout = "amx"
     max_rows = AMX_GEMM_MAX_ROWS
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -62,46 +52,30 @@ class AmxGemmBf16:
         self._gemm.argtypes = [p, i64, i64, p, i64, i64, p, p, c_int]
         self._gemm.restype = c_int
 
-    def pack(self, weight: torch.Tensor) -> AmxWeight:
-        """weight [N, K] (any float dtype; rounded to bf16) in the kernel's layout."""
-        n, k = weight.shape
-        if not packable(n, k):
-            raise ValueError(
-                f"AMX GEMM needs out_features % {TILE_N} == 0 and in_features % {TILE_K} == 0, got [{n}, {k}]"
-            )
-        w = weight.detach().to(torch.bfloat16).contiguous()
-        data = torch.empty(n * k, dtype=torch.bfloat16)
-        if self._pack(w.data_ptr(), n, k, data.data_ptr()):
-            raise ValueError(f"AMX GEMM cannot pack a [{n}, {k}] weight")
-        return AmxWeight(data, n, k)
+    @staticmethod
+    def shape_problem(out_features: int, in_features: int) -> str | None:
+        if out_features > 0 and in_features > 0 and out_features % TILE_N == 0 and in_features % TILE_K == 0:
+            return None
+        return f"out_features % {TILE_N} == 0 and in_features % {TILE_K} == 0"
 
-    def gemm(self, x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] bf16 @ weight^T (+ bias, float32 [N]) -> bf16 [M, N]."""
+    def _pack_c(self, w: torch.Tensor, n: int, k: int, data: torch.Tensor) -> int:
+        return int(self._pack(w.data_ptr(), n, k, data.data_ptr()))
+
+    def _gemm_c(self, x: torch.Tensor, w: PackedWeightBf16, bias: torch.Tensor | None, out: torch.Tensor) -> int:
         m, k = x.shape
-        n = weight.out_features
-        if x.dtype != torch.bfloat16 or k != weight.in_features:
-            raise ValueError(f"AMX GEMM needs bf16 x [M, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (n,)):
-            raise ValueError(f"AMX GEMM bias must be a contiguous float32 [{n}]")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        out = torch.empty((m, n), dtype=torch.bfloat16)
-        if m == 0:
-            return out
-        rc = self._gemm(
-            x.data_ptr(),
-            x.stride(0),
-            m,
-            weight.data.data_ptr(),
-            n,
-            k,
-            0 if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
+        return int(
+            self._gemm(
+                x.data_ptr(),
+                x.stride(0),
+                m,
+                w.data.data_ptr(),
+                w.out_features,
+                k,
+                0 if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
         )
-        if rc:
-            raise ValueError(f"AMX GEMM: unsupported shape {tuple(x.shape)} x [{n}, {k}] (rc {rc})")
-        return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 from meshlm.scheduler.kernels.cpu_features import cpu_flags, cpu_has_amx_bf16
+from meshlm.scheduler.kernels.packed_gemm import PackedGemmBf16, PackedWeightBf16
 
 log = logging.getLogger(__name__)
 
@@ -28,26 +28,16 @@ SOURCE = Path(__file__).with_name("csrc") / "gemm_bf16.c"
 PANEL = 16  # columns a panel (csrc/gemm_bf16.c)
 
 
-@dataclass(frozen=True)
-class PanelWeightBf16:
-    """A [out_features, in_features] weight in the kernel's layout (see csrc/gemm_bf16.c):
-    `data` holds out_features * in_features / 2 int32, each a pair of bf16 along K."""
-
-    data: torch.Tensor
-    out_features: int
-    in_features: int
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
-
 def packable(out_features: int, in_features: int) -> bool:
     """Whether the kernel takes a weight of this shape (whole panels, pairs of k)."""
-    return out_features > 0 and in_features > 0 and out_features % PANEL == 0 and in_features % 2 == 0
+    return PanelGemmBf16.shape_problem(out_features, in_features) is None
 
 
-class PanelGemmBf16:
-    """ctypes binding; `pack` and `gemm` check shapes before handing pointers to C."""
+class PanelGemmBf16(PackedGemmBf16):
+    """ctypes binding; the shared checks (kernels/packed_gemm.py) run before C is called."""
+
+    name = "bf16 panel GEMM"
+    layout = "panels"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         if not lib.meshlm_gemm_bf16_available():
@@ -60,45 +50,36 @@ class PanelGemmBf16:
         self._gemm.argtypes = [p, i64, p, p, p, i64, i64, i64, c_int]
         self._gemm.restype = c_int
 
-    def pack(self, weight: torch.Tensor) -> PanelWeightBf16:
-        """weight [N, K] (any float dtype; rounded to bf16) in the kernel's layout."""
-        n, k = weight.shape
-        if not packable(n, k):
-            raise ValueError(f"bf16 panel GEMM needs out_features % {PANEL} == 0 and even in_features, got [{n}, {k}]")
-        w = weight.detach().to(torch.bfloat16).contiguous()
-        data = torch.empty(n * k // 2, dtype=torch.int32)
-        if self._pack(w.data_ptr(), n, k, data.data_ptr()):
-            raise ValueError(f"bf16 panel GEMM cannot pack a [{n}, {k}] weight")
-        return PanelWeightBf16(data, n, k)
+    @staticmethod
+    def shape_problem(out_features: int, in_features: int) -> str | None:
+        if out_features > 0 and in_features > 0 and out_features % PANEL == 0 and in_features % 2 == 0:
+            return None
+        return f"out_features % {PANEL} == 0 and even in_features"
 
-    def gemm(self, x: torch.Tensor, weight: PanelWeightBf16, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] bf16 @ weight^T (+ bias, float32 [N]) -> bf16 [M, N]."""
-        m, k = x.shape
-        n = weight.out_features
-        if x.dtype != torch.bfloat16 or k != weight.in_features:
-            raise ValueError(f"bf16 panel GEMM needs bf16 x [M, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (n,)):
-            raise ValueError(f"bf16 panel GEMM bias must be a contiguous float32 [{n}]")
+    def _pack_c(self, w: torch.Tensor, n: int, k: int, data: torch.Tensor) -> int:
+        return int(self._pack(w.data_ptr(), n, k, data.data_ptr()))
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         # The C side reads x as int32 pairs: rows contiguous, an even stride, 4-byte aligned.
         if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
-            x = x.clone(memory_format=torch.contiguous_format)
-        out = torch.empty((m, n), dtype=torch.bfloat16)
-        if m == 0:
-            return out
-        rc = self._gemm(
-            x.data_ptr(),
-            x.stride(0),
-            weight.data.data_ptr(),
-            0 if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            m,
-            n,
-            k,
-            torch.get_num_threads(),
+            return x.clone(memory_format=torch.contiguous_format)
+        return x
+
+    def _gemm_c(self, x: torch.Tensor, w: PackedWeightBf16, bias: torch.Tensor | None, out: torch.Tensor) -> int:
+        m, k = x.shape
+        return int(
+            self._gemm(
+                x.data_ptr(),
+                x.stride(0),
+                w.data.data_ptr(),
+                0 if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                m,
+                w.out_features,
+                k,
+                torch.get_num_threads(),
+            )
         )
-        if rc:
-            raise ValueError(f"bf16 panel GEMM: unsupported shape {tuple(x.shape)} x [{n}, {k}] (rc {rc})")
-        return out
 
 
 @functools.lru_cache(maxsize=1)

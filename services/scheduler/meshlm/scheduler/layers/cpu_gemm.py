@@ -41,10 +41,11 @@ from meshlm.scheduler.kernels.gemv import MAX_ROWS
 from meshlm.scheduler.kernels.gemv_bf16 import FORMATS as BF16_BLOCK_FORMATS
 
 if TYPE_CHECKING:
-    from meshlm.scheduler.kernels.gemm_amx import AmxGemmBf16, AmxWeight
-    from meshlm.scheduler.kernels.gemm_bf16 import PanelGemmBf16, PanelWeightBf16
+    from meshlm.scheduler.kernels.gemm_amx import AmxGemmBf16
+    from meshlm.scheduler.kernels.gemm_bf16 import PanelGemmBf16
     from meshlm.scheduler.kernels.gemv import GemvOps, GemvWeight
     from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
+    from meshlm.scheduler.kernels.packed_gemm import PackedWeightBf16
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +178,14 @@ class PackedLinear:
             if self.small is not None:
                 self.gemv_bf16, self.gemv_rows = gemv_bf16, BF16_GEMV_MAX_ROWS
         self.gemm_bf16: PanelGemmBf16 | None = None
-        self.panels: PanelWeightBf16 | None = None
+        self.panels: PackedWeightBf16 | None = None
         self.packed: torch.Tensor | None = None
         if dtype == torch.bfloat16 and gemm_bf16 is not None and panel_packable(*weight.shape):
             self.gemm_bf16, self.panels = gemm_bf16, gemm_bf16.pack(weight)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), batch_hint)
         self.gemm_amx: AmxGemmBf16 | None = None
-        self.amx: AmxWeight | None = None
+        self.amx: PackedWeightBf16 | None = None
         if dtype == torch.bfloat16 and gemm_amx is not None and amx_packable(*weight.shape):
             self.gemm_amx, self.amx = gemm_amx, gemm_amx.pack(weight)
         if bias is not None and (self.gemv_bf16 is not None or self.gemm_bf16 is not None or self.amx is not None):

@@ -2,7 +2,7 @@
 """Our bf16 GEMM for this CPU against oneDNN's prepacked bf16 GEMM, over every linear weight of
 a model's layers and its LM head streamed from memory, per row count: decode batches (a few to
 64 rows) and prompt chunks (256-2048). The kernel is the one the model gets here: on a CPU with
-AMX the AMX decode GEMM (kernels/gemm_amx.py: batches of up to 64 rows, larger ones stay on
+AMX the AMX decode GEMM (kernels/gemm_amx.py: batches of up to its max_rows, larger ones stay on
 oneDNN, so their ratio is ~1), on one with AVX512-BF16 and no AMX the panel GEMM
 (kernels/gemm_bf16.py: every batch); --kernel picks one.
 

@@ -2,7 +2,7 @@
 
 There oneDNN's bf16 GEMM reads a decode batch's weights at about half the bandwidth two cores
 get; this kernel holds each weight in the order its tile multiplies read it (one sequential
-stream a 16-column block) and reads it once a step for batches of up to 64 rows. Prompt chunks
+stream a 16-column block) and reads it once a step for batches of up to 128 rows. Prompt chunks
 stay on oneDNN, whose blocking wins once the product is bound by the multiplies
 (`python bench/bench_gemm_bf16.py` has both, interleaved).
 """
@@ -25,8 +25,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "gemm_amx.c"
 TILE_N = 16  # output columns a column block (csrc/gemm_amx.c)
 TILE_K = 32  # k a tile row
-# Batches of up to this many rows go through the kernel, larger ones through oneDNN.
-AMX_GEMM_MAX_ROWS = 64
+# Batches of up to this many rows go through the kernel, larger ones through oneDNN. Over
+# SmolLM2's weights (bench_gemm_bf16.py): 0.69-0.83x oneDNN's time at 1-64 rows, 0.86-0.92x at
+# 96-128; from 160 to ~900 rows a tie but for oneDNN's slow row counts (288: 0.67x, 512 and 640:
+# 0.62-1.0x between runs); past ~1000 rows oneDNN's blocking wins (1024: 1.09x, 2048: 1.48x).
+AMX_GEMM_MAX_ROWS = 128
 
 
 def packable(out_features: int, in_features: int) -> bool:

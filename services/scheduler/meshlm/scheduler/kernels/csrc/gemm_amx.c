@@ -15,9 +15,9 @@
  * Tiles: C 0-3 are a 2 x 2 grid of 16 x 16 float32 sums (row blocks i, column blocks j:
  * tile 2 i + j), A 4-5 the two row blocks' x, B 6-7 the two column blocks' W. Per k-chunk:
  * two A loads (x, from L1/L2), two B loads (W, from memory), four multiplies. The rows are
- * walked in pairs of row blocks (32 rows) inside each pair of column blocks, so a batch of
- * up to 64 rows reads each W byte from memory once (the second pass finds the 2 x 16 x K
- * panel in L2). A last pass of fewer than 32 rows (not a multiple of 16) reads them from a
+ * walked in pairs of row blocks (32 rows) inside each pair of column blocks, so W crosses
+ * memory once (every pass after the first finds the 2 x 16 x K panel in L2) and x is re-read
+ * from L2 for each pair: meant for decode batches (up to a few hundred rows). A last pass of fewer than 32 rows (not a multiple of 16) reads them from a
  * zero-padded copy, so every tile is 16 full rows and nothing past x is read; only the real
  * rows are written to y.
  *

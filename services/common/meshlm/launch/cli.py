@@ -127,11 +127,27 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
     )
 
 
+class StartupInterrupted(Exception):
+    """SIGTERM arrived while the services were starting."""
+
+
+def _interrupt_startup(signum: int, frame: object) -> None:
+    raise StartupInterrupted(f"signal {signum} during start-up")
+
+
 def _launch(args: argparse.Namespace) -> int:
     from meshlm.launch.launcher import launch
 
     plan = launch_plan(args)
-    system = launch(plan)
+    # SIGTERM's default action would end this process at once and leave the services it has
+    # started running (holding their ports); raised here, it unwinds launch(), which stops them.
+    # (SIGINT already does: KeyboardInterrupt.)
+    signal.signal(signal.SIGTERM, _interrupt_startup)
+    try:
+        system = launch(plan)
+    except StartupInterrupted:
+        print("meshlm: stopped during start-up", file=sys.stderr, flush=True)
+        return 143
     print(f"meshlm is serving: HTTP {system.http_url}  gRPC {system.grpc_address}", flush=True)
     stop = {"now": False}
 

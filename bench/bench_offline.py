@@ -41,6 +41,22 @@ from offline_workers import TOKEN_LO, worker_main
 
 
 # ---- arguments ---------------------------------------------------------------------------------
+def _engine_arg(text: str, p: argparse.ArgumentParser) -> tuple[str, Any]:
+    """KEY=VALUE -> (key, value as bool / int / float / str)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        p.error(f"--engine-arg wants KEY=VALUE, got {text!r}")
+    low = raw.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    for cast in (int, float):
+        try:
+            return key, cast(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.set_num_threads in every worker (default: torch's; 1 on a busy machine)",
     )
     p.add_argument("--systems", default="ours,hf", help="which systems to run: ours,hf (default both)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine flag (repeatable), e.g. disable_cuda_graph=true or attention_backend=torch_native",
+    )
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
     # internal: run one measurement in this process
     p.add_argument("--_worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -98,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sizes = args.hf_batch_sizes or ("8,16" if q else "8,16,32,64")
     args.hf_batch_sizes = [int(x) for x in sizes.split(",") if x]
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.engine_args = dict(_engine_arg(a, p) for a in args.engine_arg)
     # (a): fixed lengths; (b): uniform ranges
     args.a_in, args.a_out = (128, 32) if q else (256, 128)
     args.b_in, args.b_out = ((32, 256), (16, 64)) if q else ((32, 1024), (16, 256))
@@ -185,7 +209,7 @@ def main() -> None:
     print(
         f"model {path}  dtype {args.dtype}  torch {torch.__version__}  "
         f"threads {args.threads or torch.get_num_threads()}  cpus {os.cpu_count()}  "
-        f"load avg {load1:.2f}"
+        f"load avg {load1:.2f}" + (f"  engine args {args.engine_args}" if args.engine_args else "")
     )
     print(
         f"seed {args.seed}  HF batch sizes {args.hf_batch_sizes}  (each measurement in a fresh subprocess)\n",
@@ -199,6 +223,7 @@ def main() -> None:
         "vocab": vocab,
         "threads": args.threads,
         "device": args.device,
+        "engine_args": args.engine_args,
     }
     all_res: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()

@@ -80,6 +80,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         max_running_requests=spec["max_running_requests"],
         random_seed=spec["seed"],
         load_progress=False,
+        **spec.get("engine_args", {}),
     )
     load_s = time.perf_counter() - t_load
     try:
@@ -135,6 +136,9 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
             **cpu,
             "useful_tokens": sum(out_lens),
             "load_s": load_s,
+            "engine_args": spec.get("engine_args", {}),
+            "attention_backend": type(runner.attn_backend).__name__,
+            "cuda_graph_replays": runner.graph_runner.num_replays if runner.graph_runner is not None else 0,
             "decode_steps": d["decode_steps"],
             "decode_forward_s": d["decode_forward_s"],
             "decode_step_s": d["decode_step_s"],

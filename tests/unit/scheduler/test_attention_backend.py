@@ -6,6 +6,7 @@ pool in place. The torch backend's buckets partition the batch."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -169,12 +170,35 @@ def test_loading_the_kernel_keeps_denormals() -> None:
 def test_create_backend_by_name_and_device() -> None:
     cpu = torch.device("cpu")
     assert isinstance(create_backend("torch_native", cpu), TorchNativeAttnBackend)
-    assert isinstance(create_backend("auto", torch.device("cuda")), TorchNativeAttnBackend)
+    assert isinstance(create_backend("torch_native", torch.device("cuda")), TorchNativeAttnBackend)
     assert isinstance(create_backend("cpu", cpu), CpuAttnBackend)
     with pytest.raises(ValueError, match="needs device cpu"):
         create_backend("cpu", torch.device("cuda"))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         create_backend("flashinfer", cpu)
+
+
+def test_auto_on_cuda_is_triton_else_torch_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on CUDA: the Triton kernels when triton imports and a tiny launch works (nothing else
+    is allocated before the first forward), torch_native when the launch fails (here: no GPU) or
+    triton does not import; triton named explicitly without triton is a start-up error."""
+    cuda = torch.device("cuda")
+    pytest.importorskip("triton")
+    from meshlm.scheduler.attention import triton_backend
+
+    if not torch.cuda.is_available():
+        assert triton_backend.triton_unusable(cuda) is not None
+        assert isinstance(create_backend("auto", cuda, num_heads=9, head_dim=64), TorchNativeAttnBackend)
+    monkeypatch.setattr(triton_backend, "triton_unusable", lambda device: None)
+    backend = create_backend("auto", cuda, num_heads=9, head_dim=64)
+    assert isinstance(backend, triton_backend.TritonAttnBackend) and backend.supports_cuda_graph
+    assert not TorchNativeAttnBackend.supports_cuda_graph
+    for name in [m for m in sys.modules if m.startswith("meshlm.scheduler.attention.triton")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    assert isinstance(create_backend("auto", cuda, num_heads=9, head_dim=64), TorchNativeAttnBackend)
+    with pytest.raises(ValueError, match="'triton' is unavailable"):
+        create_backend("triton", cuda, num_heads=9, head_dim=64)
 
 
 def test_auto_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

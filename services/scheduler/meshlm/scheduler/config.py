@@ -12,7 +12,7 @@ from meshlm.common.flags import Flag, add_config_flags
 
 POLICIES = ("fcfs", "lpm")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")  # meshlm.scheduler.attention.BACKENDS
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")  # meshlm.scheduler.attention.BACKENDS
 FUSED_OPS = ("auto", "torch")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")  # meshlm.scheduler.constrained.backends
 
@@ -45,6 +45,8 @@ class SchedulerConfig:
     stream_interval: int = 1
     max_queued_requests: int | None = None
     attention_backend: str = "auto"
+    cuda_graph_max_bs: int | None = None  # CUDA: decode graphs up to this batch (None = 160, capped)
+    disable_cuda_graph: bool = False
     fused_ops: str = "auto"  # auto = CPU: prepacked oneDNN linears + fused C elementwise; torch = eager
     random_seed: int | None = None
     tp_size: int = 1
@@ -87,6 +89,10 @@ class SchedulerConfig:
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        need(
+            self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+            f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",
         )
         need(self.fused_ops in FUSED_OPS, f"fused_ops must be one of {FUSED_OPS}, got {self.fused_ops!r}")
         need(
@@ -149,8 +155,14 @@ class SchedulerConfig:
             "max_queued_requests": "reject new requests when this many wait (RESOURCE_EXHAUSTED)",
             "attention_backend": (
                 "attention implementation: auto (CPU: the fused C decode kernel when a C compiler "
-                "can build it, else torch_native; CUDA: torch_native) | torch_native | cpu"
+                "can build it, else torch_native; CUDA: triton when triton imports, else "
+                "torch_native) | torch_native | cpu | triton (paged Triton kernels, CUDA)"
             ),
+            "cuda_graph_max_bs": (
+                "CUDA: capture decode forwards as CUDA graphs for batch sizes up to this (default "
+                "160, at most max_running_requests); larger batches run eagerly"
+            ),
+            "disable_cuda_graph": "CUDA: run every decode forward eagerly (no graph capture)",
             "fused_ops": (
                 "CPU model kernels: auto (linear weights prepacked for oneDNN; when a C compiler "
                 "can build them, fused C kernels for RMSNorm + residual, RoPE and SiLU*mul and, in "

@@ -73,6 +73,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def _ensure(self, positions: torch.Tensor) -> None:
+        """Grow the tables past the largest position. Skipped while a CUDA graph is captured
+        (reading the max would sync); the graph runner only replays positions < max_position."""
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build(int(positions.max()) * 2)
 

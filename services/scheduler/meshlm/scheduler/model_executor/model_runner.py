@@ -32,6 +32,11 @@ from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_config import ModelConfig, parse_dtype
+from meshlm.scheduler.model_executor.cuda_graph_runner import (
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    CudaGraphRunner,
+    capture_batch_sizes,
+)
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch
 from meshlm.scheduler.model_loader.weight_utils import iterate_weights
 from meshlm.scheduler.models import get_model_class
@@ -97,7 +102,13 @@ class ModelRunner:
         if self.load_dtype != self.dtype:
             self._cast_parameters(self.dtype)
         self.init_memory_pool()
-        self.attn_backend = create_backend(config.attention_backend, self.device)
+        self.attn_backend = create_backend(
+            config.attention_backend,
+            self.device,
+            max(1, model_config.num_attention_heads // tp.size),
+            model_config.head_dim,
+        )
+        self.graph_runner = self.init_cuda_graphs()
 
     def _bf16_block_gemv(self) -> BlockGemvBf16 | None:
         """The bf16 block GEMV, for a bf16 decoder on CPU (fused_ops=auto) whose checkpoint is
@@ -265,8 +276,30 @@ class ModelRunner:
             time.perf_counter() - t0,
         )
 
+    def init_cuda_graphs(self) -> CudaGraphRunner | None:
+        """On CUDA, decode graphs for batch sizes up to cuda_graph_max_bs (model_executor/
+        cuda_graph_runner.py), unless disabled, or the backend is not graph-safe, or tp_size > 1
+        (the all-reduce would have to be captured too). None = every forward runs eagerly."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.disable_cuda_graph or self.model_config.is_embedding:
+            return None
+        why = ""
+        if not self.attn_backend.supports_cuda_graph:
+            why = f"attention backend {type(self.attn_backend).__name__} is not graph-safe"
+        elif self.tp.size > 1:
+            why = "tp_size > 1"
+        if why:
+            logger.info("CUDA graphs off: %s", why)
+            return None
+        max_bs = min(cfg.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+        self.attn_backend.reserve_decode_buffers(max_bs)
+        return CudaGraphRunner(self, capture_batch_sizes(max_bs)).capture()
+
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput | torch.Tensor:
-        """Run the model on one batch: logits (generation) or pooled embeddings [B, H]."""
+        """Run the model on one batch: logits (generation) or pooled embeddings [B, H]. A decode
+        batch that a captured graph covers replays it (its logits live until the next replay)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend

@@ -1,0 +1,1 @@
+"""Triton kernels of the Triton attention backend (imported only when that backend is chosen)."""

@@ -38,8 +38,11 @@ RUN pip install ".[scheduler]" \
 
 FROM nvidia/cuda:12.8.1-runtime-ubuntu22.04
 ARG DEBIAN_FRONTEND=noninteractive
+# gcc, libc6-dev and python3-dev: Triton (which the CUDA torch wheel brings) compiles a small
+# launcher with the host C compiler the first time a kernel runs; without them the attention
+# backend's start-up self-check fails and auto falls back to torch_native (several times slower).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 gcc libc6-dev python3-dev \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 meshlm \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/meshlm --shell /usr/sbin/nologin meshlm

@@ -1,6 +1,7 @@
 """`meshlm launch` stopped by SIGTERM while its services are still starting (a supervisor giving up,
 `kill` from a shell): it stops every service it started and exits 143, leaving no process
-behind to hold the ports. (SIGTERM once serving is covered by every test that launches the CLI.)"""
+behind to hold the ports. (SIGTERM once serving is covered by every test that launches the CLI.)
+And `meshlm launch` killed outright (SIGKILL, the OOM killer): its services end with it."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_sigterm_during_start_up_stops_every_service(smollm_path: str) -> None:
+def _launch(smollm_path: str) -> subprocess.Popen:
     argv = [
         sys.executable,
         "-m",
@@ -52,14 +53,43 @@ def test_sigterm_during_start_up_stops_every_service(smollm_path: str) -> None:
         *ENGINE_ARGS,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHLM_") or k == "MESHLM_CACHE"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _four_children(proc: subprocess.Popen) -> list[int]:
+    deadline = time.monotonic() + 60
+    children: list[int] = []
+    while len(children) < 4 and time.monotonic() < deadline and proc.poll() is None:
+        children = _children_of(proc.pid)
+        time.sleep(0.05)
+    assert len(children) == 4, "meshlm launch did not start its four services"
+    return children
+
+
+def test_sigkill_of_the_launcher_ends_every_service(smollm_path: str) -> None:
+    proc = _launch(smollm_path)
+    children: list[int] = []
     try:
+        children = _four_children(proc)
+        time.sleep(1.0)  # past each service's exit_with_launcher() (its first statement)
+        proc.kill()
+        proc.communicate(timeout=30)
         deadline = time.monotonic() + 60
-        children: list[int] = []
-        while len(children) < 4 and time.monotonic() < deadline and proc.poll() is None:
-            children = _children_of(proc.pid)
-            time.sleep(0.05)
-        assert len(children) == 4, "meshlm launch did not start its four services"
+        left = children
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = [pid for pid in children if _alive(pid)]
+        assert not left, f"services still running 60 s after the launcher was killed: {left}"
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_during_start_up_stops_every_service(smollm_path: str) -> None:
+    proc = _launch(smollm_path)
+    try:
+        children = _four_children(proc)
         proc.send_signal(signal.SIGTERM)  # the scheduler is still loading: start-up is not over
         out, _ = proc.communicate(timeout=60)
         assert "meshlm is serving" not in out, "start-up finished before the signal; the test proves nothing"

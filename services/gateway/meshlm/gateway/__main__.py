@@ -16,6 +16,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from meshlm.common.launcher_watch import exit_with_launcher
+
 if TYPE_CHECKING:
     import uvicorn
 
@@ -50,6 +52,7 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_launcher()
     import uvicorn
 
     from meshlm.common.log import setup_logging

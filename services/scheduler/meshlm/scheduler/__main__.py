@@ -5,8 +5,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from meshlm.common.launcher_watch import exit_with_launcher
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_launcher()
     from meshlm.scheduler.service.server import main as service_main
 
     return service_main(argv)

@@ -10,6 +10,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from meshlm.common.launcher_watch import exit_with_launcher
 from meshlm.tokenizer.config import TokenizerConfig
 
 
@@ -23,6 +24,7 @@ def build_parser(prog: str = "python -m meshlm.tokenizer") -> argparse.ArgumentP
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_launcher()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,11 +1,12 @@
 """A service started by `meshlm launch` ends with the launcher, even when the launcher is killed.
 
-The launcher sets MESHLM_LAUNCHER_PID in each child's environment. exit_with_launcher(), called
+`meshlm launch` sets MESHLM_LAUNCHER_PID in each child's environment. exit_with_launcher(), called
 first thing in each service's main(), asks Linux for a SIGTERM when the parent dies
 (prctl(PR_SET_PDEATHSIG)), so a SIGKILLed launcher leaves no service holding its ports; SIGTERM
 takes each service's usual shutdown path. The kernel sends the signal when the *thread* that
-forked the child ends: the launcher starts its children from its main thread, which lives as long
-as the launcher does.
+forked the child ends, so only a caller that starts the services from a thread living as long as
+itself may set the variable: the CLI does (its main thread); launcher.launch() does not on its own
+(tests start systems from worker threads that end right after).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -136,6 +137,7 @@ def _interrupt_startup(signum: int, frame: object) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from meshlm.common.launcher_watch import LAUNCHER_PID_ENV
     from meshlm.launch.launcher import launch
 
     plan = launch_plan(args)
@@ -143,8 +145,11 @@ def _launch(args: argparse.Namespace) -> int:
     # started running (holding their ports); raised here, it unwinds launch(), which stops them.
     # (SIGINT already does: KeyboardInterrupt.)
     signal.signal(signal.SIGTERM, _interrupt_startup)
+    # The services end with this process even if it is killed (common/launcher_watch.py). The
+    # kernel watches the thread that started them: launch() runs on the main thread here. (Not
+    # in launch() itself: a caller may start systems from worker threads that end long before.)
     try:
-        system = launch(plan)
+        system = launch(plan, env={LAUNCHER_PID_ENV: str(os.getpid())})
     except StartupInterrupted:
         print("meshlm: stopped during start-up", file=sys.stderr, flush=True)
         return 143

@@ -47,7 +47,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common.cpus import available_cpus
-from meshlm.common.launcher_watch import LAUNCHER_PID_ENV
 from meshlm.common.tls import FLAGS as TLS_FLAGS
 from meshlm.common.tls import PLAINTEXT, TlsConfig, sync_channel
 from meshlm.launch.output_tail import OutputTail
@@ -338,9 +337,7 @@ def launch(plan: LaunchPlan, ready_timeout_s: float = 300.0, env: dict[str, str]
     The system's plan holds the internal token it used (made here when the plan has a key only)."""
     plan = plan.with_internal_token()
     system = System(plan)
-    # MESHLM_LAUNCHER_PID: each service ends with this process, even a SIGKILLed one
-    # (common/launcher_watch.py); Popen runs on this (the main) thread, which the kernel watches.
-    proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), LAUNCHER_PID_ENV: str(os.getpid())}
+    proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     t0 = time.monotonic()
     try:
         children = plan_children(plan)

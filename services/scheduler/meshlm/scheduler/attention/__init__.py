@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 # auto: on CPU the fused C decode kernel when it builds here (else torch_native), with the C
 # extend kernel when that builds too (else SDPA for long extend segments; SDPA also for bf16
 # pools on CPUs with native bf16, where it is faster); on CUDA the Triton kernels when triton
-# imports (else torch_native). cpu: the decode kernel or a start-up error saying why it is
-# unavailable. triton: the Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1, for tests).
+# imports and a one-launch self-check passes (else torch_native). cpu: the decode kernel or a
+# start-up error saying why it is unavailable. triton: the Triton kernels (CUDA; on CPU only
+# under TRITON_INTERPRET=1, for tests).
 BACKENDS = ATTENTION_BACKENDS
 
 

@@ -8,7 +8,7 @@
 * ServiceThread: a SchedulerServer running on its own asyncio loop in a thread;
 * PROMPT, greedy, engine_config, wait_idle: what the contract tests send and wait for;
 * tiny_service: a ServiceThread of the tiny model on a free loopback port;
-* free_port, scheduler_process: `python -m meshlm.scheduler` on a free loopback port.
+* scheduler_process: `python -m meshlm.scheduler` on a loopback port (meshlm.common.ports.free_port).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -278,12 +277,6 @@ def wait_idle(t: TokenizerStream, timeout: float = 2.0, call_base: int = 9000) -
         return load if load.num_running_reqs == 0 and load.num_queue_reqs == 0 and load.num_used_tokens == 0 else None
 
     return wait_until(idle, timeout, "the scheduler to be idle with its KV free", interval=0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scheduler_process(

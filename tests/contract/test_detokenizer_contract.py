@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from meshlm.common import protocol
+from meshlm.common.ports import free_port
 from meshlm.detokenizer.config import DetokenizerConfig
 from meshlm.detokenizer.decoder import TokenizerDecoder
 from meshlm.detokenizer.service import SERVICE_NAME, RunningDetokenizer, start_detokenizer
@@ -256,12 +256,6 @@ def test_drain_flushes_subscribers_and_ends_pushes(decoder) -> None:
         assert took < 5
 
     run_with_server(decoder, scenario)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_process_serves_and_exits_0_on_sigterm(smollm_path: str) -> None:

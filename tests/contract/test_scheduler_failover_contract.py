@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from meshlm.common.ports import free_port
 from meshlm.v1 import common_pb2
 
 from .scheduler_harness import (
@@ -21,7 +22,6 @@ from .scheduler_harness import (
     RecordingDetokenizer,
     TokenizerStream,
     build_tiny_llama,
-    free_port,
     greedy,
     kill_process,
     scheduler_process,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshlm.common.ports import free_port
 from meshlm.scheduler.engine import Engine
 from meshlm.v1 import common_pb2
 
@@ -21,7 +22,6 @@ from .scheduler_harness import (
     RecordingDetokenizer,
     TokenizerStream,
     build_tiny_llama,
-    free_port,
     greedy,
     kill_process,
     scheduler_process,

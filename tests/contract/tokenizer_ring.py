@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from meshlm.common.ports import free_port
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.service import start_server
@@ -23,12 +23,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tokenizer_fakes import FakeScheduler
 
 CODE = grpc.StatusCode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def text_prompt(s: str) -> tokenizer_pb2.Prompt:

@@ -35,7 +35,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,17 +46,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common.cpus import available_cpus
+from meshlm.common.ports import free_port
 from meshlm.common.tls import FLAGS as TLS_FLAGS
 from meshlm.common.tls import PLAINTEXT, TlsConfig, sync_channel
 from meshlm.launch.output_tail import OutputTail
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

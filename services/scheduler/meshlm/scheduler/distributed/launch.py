@@ -35,7 +35,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -46,6 +45,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from meshlm.common.ports import free_port
 from meshlm.scheduler.cpu_budget import cpu_budget
 from meshlm.scheduler.distributed import TpGroup
 from meshlm.scheduler.distributed.parallel_state import COLLECTIVE_TIMEOUT, destroy_tp_group, init_tp_group
@@ -68,12 +68,6 @@ def threads_per_rank(size: int) -> int:
     """torch intra-op threads for each of `size` CPU ranks sharing this process's CPU budget
     (cpu_budget.py: affinity, cgroup quota, OMP_NUM_THREADS)."""
     return max(1, cpu_budget() // size)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -173,7 +167,7 @@ def start_tp_group(size: int, device: torch.device, follower: Follower, leader: 
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tp_size {size} needs {size} CUDA devices, {torch.cuda.device_count()} visible")
     ctx = mp.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     threads = threads_per_rank(size)
     ranks = TpRanks([], torch.get_num_threads())
     conns: list[multiprocessing.connection.Connection] = []

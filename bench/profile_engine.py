@@ -10,7 +10,9 @@ Same workload as bench_offline.py's (a): random token prompts, greedy, EOS ignor
 loop of `--concurrency` clients. Prints output tokens/s and, per forward kind and part, the
 seconds, the share of the run's wall time, the calls and the time per call. The timers add a
 few microseconds a call: compare shares and per-call times, and take the throughput from
-bench_offline.py or bench_vs_vllm.py.
+bench_offline.py or bench_vs_vllm.py. The CPU decode plan (one C call for a decode step's
+kernels) is off by default here, so that every kernel call of a decode step passes a timer;
+`--cpu-graph` keeps it on, and decode forwards are then timed only as a whole.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
+    ap.add_argument("--cpu-graph", action="store_true", help="keep the CPU decode plan (decode ops go untimed)")
     args = ap.parse_args()
 
     timers = Timers()
@@ -99,6 +102,7 @@ def main() -> None:
         random_seed=0,
         load_progress=False,
         max_running_requests=max(64, args.concurrency),
+        disable_cpu_graph=not args.cpu_graph,
     )
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size

@@ -47,6 +47,7 @@ class SchedulerConfig:
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None  # CUDA: decode graphs up to this batch (None = 160, capped)
     disable_cuda_graph: bool = False
+    disable_cpu_graph: bool = False  # CPU: decode layers through Python instead of one C plan
     fused_ops: str = "auto"  # auto = CPU: prepacked oneDNN linears + fused C elementwise; torch = eager
     random_seed: int | None = None
     tp_size: int = 1
@@ -163,6 +164,10 @@ class SchedulerConfig:
                 "160, at most max_running_requests); larger batches run eagerly"
             ),
             "disable_cuda_graph": "CUDA: run every decode forward eagerly (no graph capture)",
+            "disable_cpu_graph": (
+                "CPU: call the decoder layers' C kernels from Python one by one instead of the "
+                "decode plan (one C call a step for a bf16 Llama-family model)"
+            ),
             "fused_ops": (
                 "CPU model kernels: auto (linear weights prepacked for oneDNN; when a C compiler "
                 "can build them, fused C kernels for RMSNorm + residual, RoPE and SiLU*mul and, in "

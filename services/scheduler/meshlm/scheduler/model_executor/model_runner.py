@@ -32,6 +32,7 @@ from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_config import ModelConfig, parse_dtype
+from meshlm.scheduler.model_executor.cpu_graph_runner import CpuGraphRunner
 from meshlm.scheduler.model_executor.cuda_graph_runner import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
     CudaGraphRunner,
@@ -108,7 +109,7 @@ class ModelRunner:
             max(1, model_config.num_attention_heads // tp.size),
             model_config.head_dim,
         )
-        self.graph_runner = self.init_cuda_graphs()
+        self.graph_runner: CudaGraphRunner | CpuGraphRunner | None = self.init_cuda_graphs() or self.init_cpu_graph()
 
     def _bf16_block_gemv(self) -> BlockGemvBf16 | None:
         """The bf16 block GEMV, for a bf16 decoder on CPU (fused_ops=auto) whose checkpoint is
@@ -294,6 +295,14 @@ class ModelRunner:
         max_bs = min(cfg.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
         self.attn_backend.reserve_decode_buffers(max_bs)
         return CudaGraphRunner(self, capture_batch_sizes(max_bs)).capture()
+
+    def init_cpu_graph(self) -> CpuGraphRunner | None:
+        """On CPU, the decode plan (model_executor/cpu_graph_runner.py: every decoder layer's C
+        kernel calls made in one C call) for batches of up to max_running_requests, where the
+        model and configuration allow it and disable_cpu_graph is not set."""
+        if self.device.type != "cpu" or self.config.disable_cpu_graph or self.model_config.is_embedding:
+            return None
+        return CpuGraphRunner.create(self, self.max_running_requests)
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput | torch.Tensor:
         """Run the model on one batch: logits (generation) or pooled embeddings [B, H]. A decode

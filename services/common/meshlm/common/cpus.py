@@ -38,3 +38,16 @@ def available_cpus(root: Path | None = None) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     limit = cgroup_cpu_limit(root)
     return max(1, min(cpus, limit) if limit is not None else cpus)
+
+
+def serial_tokenizers() -> None:
+    """Keep HF `tokenizers` on the calling thread in this process (TOKENIZERS_PARALLELISM=false,
+    unless the environment already says otherwise). Must run before the first encode / decode.
+
+    Left parallel, a batch decode or encode starts a rayon pool of one thread per core whose
+    idle threads spin in sched_yield after every call. In the detokenizer that was ~20 yields a
+    decode step at concurrency 1 (strace), on the cores the scheduler's OpenMP threads need;
+    the batches the relays tokenize or detokenize (one step's requests) are too small to gain
+    from the pool.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -7,6 +7,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from meshlm.common.cpus import serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 from meshlm.common.log import setup_logging
 from meshlm.detokenizer.config import DetokenizerConfig
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, configure logging, serve until SIGTERM/SIGINT; returns the exit status."""
     exit_with_launcher()
+    serial_tokenizers()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

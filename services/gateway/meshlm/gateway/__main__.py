@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from meshlm.common.cpus import serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     exit_with_launcher()
+    serial_tokenizers()
     import uvicorn
 
     from meshlm.common.log import setup_logging

@@ -10,6 +10,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from meshlm.common.cpus import serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 from meshlm.tokenizer.config import TokenizerConfig
 
@@ -25,6 +26,7 @@ def build_parser(prog: str = "python -m meshlm.tokenizer") -> argparse.ArgumentP
 
 def main(argv: Sequence[str] | None = None) -> int:
     exit_with_launcher()
+    serial_tokenizers()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

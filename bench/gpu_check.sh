@@ -241,7 +241,7 @@ for label, dtype, name, ours, _ in runs:
     if ours and ours.get("decode_steps"):
         cells.append(f"{(1 - ours['decode_forward_s'] / ours['decode_step_s']) * 100:.0f}%")
         cells.append(f"{ours['decode_step_s'] / ours['decode_steps'] * 1e3:.2f}")
-        cells.append(str(ours.get("cuda_graph_replays", "-")))
+        cells.append(str(ours.get("graph_replays", "-")))
     else:
         cells += ["-", "-", "-"]
     cells.append(f"{ours['peak_gpu_mib']:.0f}" if ours and "peak_gpu_mib" in ours else "-")

@@ -10,19 +10,27 @@ per layer, the KV bytes read per second, and the ratio torch_native / cpu.
 
     python bench/bench_attention.py                      # a few batch x context cases, ~1 min
     python bench/bench_attention.py --batch 64 --context 320 --dtype bfloat16
+    python bench/bench_attention.py --batch 64 --context 320 --dtype bfloat16 --threads 2 --baseline-rev HEAD~1
+
+`--baseline-rev REV` also builds the kernel as it was at git revision REV and times it on the
+same pool in the same run, alternating with the current one, and prints current / baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
-from meshlm.scheduler.attention.cpu_kernel import load_decode_kernel
+from meshlm.scheduler.attention.cpu_kernel import SOURCE, DecodeKernel, load_decode_kernel
 from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
+from meshlm.scheduler.kernels.build import load_library
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -63,6 +71,19 @@ def build(
     return fb, [RadixAttention(heads, dim, dim**-0.5, kv_heads, layer) for layer in range(layers)]
 
 
+def kernel_at(rev: str, scratch: Path) -> DecodeKernel:
+    """The decode kernel built from its source (and the headers it includes) at git revision rev,
+    laid out under scratch as in the package so its relative #include paths resolve."""
+    package = SOURCE.parents[2]  # .../meshlm/scheduler
+    top = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=package, text=True).strip())
+    for rel in ("attention/csrc/decode_attention.c", "kernels/csrc/amx.h"):
+        path = (package / rel).relative_to(top)
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=top, capture_output=True, text=True).stdout
+        (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / rel).write_text(text)
+    return DecodeKernel(load_library(scratch / "attention/csrc/decode_attention.c"))
+
+
 def time_step(backend, fb: ForwardBatch, attn: list[RadixAttention], repeats: int) -> float:
     """Best-of-`repeats` seconds per layer of a full pass over all layers."""
     b, heads, kv_heads, dim = fb.batch_size, attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim
@@ -91,17 +112,24 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline-rev", help="also time the kernel as of this git revision (same run)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     cpu, ref = CpuAttnBackend(load_decode_kernel(), load_extend_kernel()), TorchNativeAttnBackend()
+    scratch = tempfile.TemporaryDirectory()
+    base = None
+    if args.baseline_rev:
+        base = CpuAttnBackend(kernel_at(args.baseline_rev, Path(scratch.name)), load_extend_kernel())
     elem = torch.empty(0, dtype=dtype).element_size()
     print(
         f"decode attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
         f"{args.dtype}, threads {args.threads}"
     )
-    print(f"{'batch':>6} {'context':>10} {'torch ms/layer':>15} {'cpu ms/layer':>13} {'cpu GB/s':>9} {'ratio':>7}")
+    extra = f" {args.baseline_rev + ' ms/layer':>18} {'cpu / it':>9}" if base else ""
+    head = f"{'batch':>6} {'context':>10} {'torch ms/layer':>15} {'cpu ms/layer':>13} {'cpu GB/s':>9} {'ratio':>7}"
+    print(head + extra)
     cases = [(b, [c] * b, str(c)) for b in args.batch for c in args.context]
     if args.mixed:
         g = torch.Generator().manual_seed(0)
@@ -113,9 +141,16 @@ def main() -> None:
     for b, lens, label in cases:
         fb, attn = build(lens, min(64, min(lens) - 1), args.layers, args.heads, args.kv_heads, args.head_dim, dtype)
         t_ref = time_step(ref, fb, attn, args.repeats)
-        t_cpu = time_step(cpu, fb, attn, args.repeats)
+        t_cpu, t_base = float("inf"), float("inf")
+        for _ in range(3 if base else 1):  # alternate, so drift hits both kernels alike
+            t_cpu = min(t_cpu, time_step(cpu, fb, attn, args.repeats))
+            if base:
+                t_base = min(t_base, time_step(base, fb, attn, args.repeats))
         gbs = 2 * sum(lens) * args.kv_heads * args.head_dim * elem / t_cpu / 1e9
-        print(f"{b:>6} {label:>10} {t_ref * 1e3:>15.2f} {t_cpu * 1e3:>13.2f} {gbs:>9.1f} {t_ref / t_cpu:>6.2f}x")
+        row = f"{b:>6} {label:>10} {t_ref * 1e3:>15.2f} {t_cpu * 1e3:>13.2f} {gbs:>9.1f} {t_ref / t_cpu:>6.2f}x"
+        if base:
+            row += f" {t_base * 1e3:>18.2f} {t_cpu / t_base:>8.2f}x"
+        print(row)
 
 
 if __name__ == "__main__":

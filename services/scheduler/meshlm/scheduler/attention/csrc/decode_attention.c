@@ -34,12 +34,20 @@
  * first and was bound by that work: 7.1 GB/s on one core of a 2-core AMX Xeon against 8.7 for
  * a float32 pool; the bf16 path reads 7.6 GB/s on one core, 13.7 on both, where two cores
  * stream ~16.6 from memory (`python bench/bench_attention.py --dtype bfloat16`).
- * With AMX (and use_amx, H <= 16) the bf16 path's first pass, the scores, runs on tiles instead
- * (scores_amx); the value pass is the same. A C harness over this file (30 layers, 320 tokens,
- * 2 threads, alternating runs on a 2-core AMX Xeon): 0.74x the time with the KV in cache (one
- * core), 0.85-0.89x at batch 16, 0.93-0.99x at batch 64 (memory-bound there), 0.81x for one
- * request of 2000 tokens. The pass reading the same lines with no arithmetic at all bounds it:
- * 0.86x at batch 64 (two cores stream ~23 GB/s with this access pattern).
+ * With AMX (and use_amx, H <= 16) the bf16 path runs on tiles: the scores (scores_amx), a softmax
+ * left unnormalised with a polynomial exp2 (exp2_nonpositive), and the values (values_amx: the
+ * weights rounded to bf16 as an A tile, V rows interleaved in pairs as B tiles), divided by the
+ * softmax's sum once at the end. Rounding the weights costs at most 2^-8 of sum_t p_t |v_t| (the
+ * model rounds the output to bf16, 2^-9 of it, after). The value passes prefetch the next
+ * block's rows spread over the block's work rather than in a burst at its start (a burst fills
+ * the line fill buffers while the block computes and leaves them idle after; the scores pass,
+ * whose blocks compute little, keeps its burst). On a 2-core AMX Xeon
+ * (`python bench/bench_attention.py --dtype bfloat16 --threads 2 --baseline-rev <before>`, 30
+ * layers, 2026-12-05): 0.89x the time of the float32-weight FMA value pass at batch 64 (320 and
+ * 1024 tokens), 0.84x for 12 / 2 heads of 128 dims; in a C harness over this file, one core with
+ * the KV in cache, 0.75x (36 -> 27 us for 1280 keys). A read of the same lines with no
+ * arithmetic takes ~0.73 ms a layer at batch 64 / 320 tokens against the kernel's ~0.94: what is
+ * left is compute the memory stream does not hide.
  */
 #include <math.h>
 #include <stdint.h>
@@ -56,6 +64,7 @@
 
 #define PREFETCH 12  /* tokens ahead */
 #define BLOCK 16    /* keys a block in the bf16 path (hsum16 gathers 16 scores) */
+#define VBLOCK 32   /* keys a block of the AMX value pass: the K depth of one TDPBF16PS */
 #define CACHE_LINE 64
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -107,6 +116,23 @@ static inline void softmax_rows(float *scores, int H, int64_t L) {
     }
 }
 
+/* The bf16 path's softmax of H rows of L raw scores (scores[h * L + t]): each becomes
+ * exp(scale * (s - max s)), in place, and inv[h] the reciprocal of row h's sum. */
+static inline void softmax_rows_unnormalised(float *scores, int H, int64_t L, float scale, float *inv) {
+    for (int h = 0; h < H; h++) {
+        float *s = scores + (int64_t)h * L;
+        float m = s[0], sum = 0.f;
+        for (int64_t t = 1; t < L; t++) m = s[t] > m ? s[t] : m;
+        const float shift = m * scale;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; t++) {
+            s[t] = expf(s[t] * scale - shift);
+            sum += s[t];
+        }
+        inv[h] = 1.f / sum;
+    }
+}
+
 /* Scratch: scores[h * L + t] (H * L floats) is head h's weight of token t; buf (Hkv * D floats)
  * holds a converted row when the pool is not float32. */
 static inline __attribute__((always_inline)) void one_request(
@@ -141,6 +167,24 @@ static inline __attribute__((always_inline)) void one_request(
 /* 16 bf16 at p as float32 (exact: a bf16 is the top half of a float). */
 static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#define LOG2E 1.4426950408889634f
+
+/* 2^y for y <= 0: 2^f (f = y - round(y), |f| <= 1/2) by its Taylor polynomial of degree 6
+ * (relative error under 2e-7) scaled by 2^round(y) with VSCALEFPS; 0 below 2^-126, so no
+ * weight is a denormal (whose products would take microcode assists). */
+static inline __m512 exp2_nonpositive(__m512 y) {
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-126.f), _CMP_GE_OQ), p, n);
 }
 
 /* Lane i of the result is the sum of v[i]'s 16 lanes, for i < 16: a transposing add tree of
@@ -179,20 +223,26 @@ static inline int block_rows(const uint16_t *pool, int64_t tok_stride, const int
 
 /* AMX scratch of one thread, in uint16 elements: the Q tiles of a request (Hkv * C of 512) and a
  * block's K rows gathered (BLOCK * Hkv * D). */
-static inline int64_t amx_scratch_elems(int Hkv, int D) { return (int64_t)Hkv * (D / 32) * 512 + (int64_t)BLOCK * Hkv * D; }
+static inline int64_t amx_q_elems(int Hkv, int D) { return (int64_t)Hkv * (D / 32) * 512; }
+static inline int64_t amx_scratch_elems(int Hkv, int D) {
+    /* the Q tiles, then the larger of pass 1's gathered K rows and pass 2's A and B tiles */
+    const int64_t k_rows = (int64_t)BLOCK * Hkv * D, ab = (int64_t)Hkv * 512 * 5;
+    return amx_q_elems(Hkv, D) + (k_rows > ab ? k_rows : ab);
+}
 
-/* Pass 1 on AMX, for H <= 16: scores[t * 16 + h] = scale * q_h . k_t for t < L (rows up to the
- * next multiple of BLOCK are written too; columns h >= H hold 0). Per KV head j and 32-dim chunk c
+/* Pass 1 on AMX, for H <= 16: scores[t * 16 + h] = exp(scale * (q_h . k_t - max_t q_h . k_t)) for
+ * t < L, the softmax weights before their division by inv[h]'s reciprocal, their sum (rows up to
+ * the next multiple of BLOCK are written too; columns h >= H are not heads). Per KV head j and 32-dim chunk c
  * one TDPBF16PS multiplies BLOCK keys' dims (tile 1: rows of the pool in place when the block's
  * slots are consecutive, else gathered into scratch) by the group's queries (tile 2: Q tile
  * (j, c), columns of other groups' heads zero), so one S tile sums every (j, c) and holds each
  * head's score with its own KV head. Products are exact bf16 x bf16, summed in float32, as in the
  * VDPBF16PS pass. */
 static void scores_amx(const uint16_t *qb, const uint16_t *k, int64_t tok_stride, const int64_t *slots, int64_t L,
-                       int H, int Hkv, int C, float scale, float *scores, uint16_t *scratch) {
+                       int H, int Hkv, int C, float scale, float *scores, float *inv, uint16_t *scratch) {
     const int G = H / Hkv, D = 32 * C, n_el = Hkv * D;
     const int64_t row_bytes = (int64_t)n_el * 2;
-    uint16_t *qt = scratch, *kbuf = scratch + (int64_t)Hkv * C * 512;
+    uint16_t *qt = scratch, *kbuf = scratch + amx_q_elems(Hkv, D);
     /* Q tile (j, c), row r, column h, element e (at qt + (j * C + c) * 512 + r * 32 + h * 2 + e) =
      * dim 32c + 2r + e of query head h when h / G == j, else 0. */
     memset(qt, 0, (size_t)Hkv * C * 512 * sizeof(uint16_t));
@@ -238,42 +288,138 @@ static void scores_amx(const uint16_t *qb, const uint16_t *k, int64_t tok_stride
                 }
         _tile_stored(0, scores + t0 * 16, 64);
     }
-    /* softmax over keys, per head column: st[t * 16 + h] */
-    float m[16], sum[16];
-#pragma omp simd
-    for (int h = 0; h < 16; h++) m[h] = scores[h] * scale, sum[h] = 0.f;
+    /* unnormalised softmax over keys, per head column (st[t * 16 + h]); inv[h] = 1 / its sum */
+    __m512 m = _mm512_loadu_ps(scores);
+    for (int64_t t = 1; t < L; t++) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + t * 16));
+    const __m512 a = _mm512_set1_ps(scale * LOG2E), b = _mm512_mul_ps(m, a);
+    __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < L; t++) {
-        float *s = scores + t * 16;
-#pragma omp simd
-        for (int h = 0; h < 16; h++) {
-            s[h] *= scale;
-            m[h] = s[h] > m[h] ? s[h] : m[h];
-        }
+        const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(scores + t * 16), a, b));
+        _mm512_storeu_ps(scores + t * 16, e);
+        sum = _mm512_add_ps(sum, e);
     }
-    for (int64_t t = 0; t < L; t++) {
-        float *s = scores + t * 16;
-#pragma omp simd
-        for (int h = 0; h < 16; h++) {
-            s[h] = expf(s[h] - m[h]);
-            sum[h] += s[h];
-        }
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+}
+
+/* r[i] (16 x 16 int32, row i) becomes its transpose. Two unpack stages leave u[4i + k]'s 128-bit
+ * lane l holding column 4l + k of rows 4i .. 4i + 3; two lane shuffles gather those four lanes. */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-#pragma omp simd
-    for (int h = 0; h < 16; h++) sum[h] = 1.f / sum[h];
-    for (int64_t t = 0; t < L; t++) {
-        float *s = scores + t * 16;
-#pragma omp simd
-        for (int h = 0; h < 16; h++) s[h] *= sum[h];
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+        const __m512i y0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+        const __m512i y1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+        t[k] = _mm512_shuffle_i32x4(x0, y0, 0x88), t[4 + k] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+        t[8 + k] = _mm512_shuffle_i32x4(x1, y1, 0x88), t[12 + k] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Pass 2 on AMX, after scores_amx (H <= 16): out[h, :] = inv[h] * sum_t w(h, t) v_t, the weights
+ * w = scores[t * 16 + h] rounded to bf16 (products exact, summed in float32 in the tiles). For a
+ * block of VBLOCK keys and KV head j: C[h][n] += A_j[h][t] * B[t][n] with A_j the block's weights
+ * (row h = head h's 32 keys, rows of other groups' heads zero, so one set of C tiles sums every
+ * group with its own KV head) and B the V rows in VNNI pairs: row p of B tile (j, q) interleaves
+ * keys 2p and 2p + 1 (VPUNPCK{L,H}WD of their 32-dim chunk q / 2), so column n of tile q holds dim
+ * 32 (q / 2) + 8 (n / 4) + n % 4 + 4 (q % 2) of the 64-dim half `half`; the store at the end puts
+ * the dims back in order. Tiles: 0-3 = C (64 dims), 4 = A_j, 5 = B; D = 128 takes two sweeps over
+ * the keys, one per 64-dim half (each reads its own cache lines of the V rows). */
+static void values_amx(const uint16_t *v, int64_t tok_stride, const int64_t *slots, int64_t L, int H, int Hkv,
+                       int C, const float *scores, const float *inv, float *out, uint16_t *scratch) {
+    const int G = H / Hkv, D = 32 * C;
+    uint16_t *a_tiles = scratch + amx_q_elems(Hkv, D), *b_tiles = a_tiles + (int64_t)Hkv * 512;
+    /* bf16 lane 2h <- lane h of the first (low) row, 2h + 1 <- lane h of the second (high) */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    memset(a_tiles, 0, (size_t)Hkv * 512 * sizeof(uint16_t)); /* rows of other groups stay zero */
+    for (int half = 0; half < C / 2; half++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t0 = 0; t0 < L; t0 += VBLOCK) {
+            const int n = L - t0 < VBLOCK ? (int)(L - t0) : VBLOCK;
+            const uint16_t *rows[VBLOCK]; /* past the last key: key t0 again, weight 0 */
+            for (int i = 0; i < VBLOCK; i++) rows[i] = v + slots[t0 + (i < n ? i : 0)] * tok_stride + 64 * half;
+            __m512i w[16]; /* w[p] lane h: the bf16 weights of keys t0 + 2p, t0 + 2p + 1 of head h */
+            for (int p = 0; p < 16; p++) {
+                const int64_t t = t0 + 2 * p;
+                const __m512 lo = t < L ? _mm512_loadu_ps(scores + t * 16) : _mm512_setzero_ps();
+                const __m512 hi = t + 1 < L ? _mm512_loadu_ps(scores + (t + 1) * 16) : _mm512_setzero_ps();
+                w[p] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            transpose16_epi32(w); /* w[h]: head h's 32 weights in key order, an A tile row */
+            for (int h = 0; h < H; h++) _mm512_storeu_si512(a_tiles + (int64_t)(h / G) * 512 + h * 32, w[h]);
+            for (int p = 0; p < 16; p++) {
+                /* the next block's rows 2p, 2p + 1, spread over the pairs (a burst of them at the
+                 * block's start leaves the line fill buffers idle while the block computes) */
+                for (int i = 2 * p; i < 2 * p + 2 && t0 + VBLOCK + i < L; i++) {
+                    const char *r = (const char *)(v + slots[t0 + VBLOCK + i] * tok_stride + 64 * half);
+                    for (int j = 0; j < Hkv; j++) {
+                        __builtin_prefetch(r + (int64_t)j * D * 2);
+                        __builtin_prefetch(r + (int64_t)j * D * 2 + CACHE_LINE);
+                    }
+                }
+                for (int j = 0; j < Hkv; j++)
+                    for (int c = 0; c < 2; c++) {
+                        const __m512i x = _mm512_loadu_si512(rows[2 * p] + (int64_t)j * D + 32 * c);
+                        const __m512i y = _mm512_loadu_si512(rows[2 * p + 1] + (int64_t)j * D + 32 * c);
+                        uint16_t *b = b_tiles + (int64_t)(j * 4 + 2 * c) * 512 + p * 32;
+                        _mm512_storeu_si512(b, _mm512_unpacklo_epi16(x, y));
+                        _mm512_storeu_si512(b + 512, _mm512_unpackhi_epi16(x, y));
+                    }
+            }
+            for (int j = 0; j < Hkv; j++) {
+                const uint16_t *b = b_tiles + (int64_t)j * 4 * 512;
+                _tile_loadd(4, a_tiles + (int64_t)j * 512, 64);
+                _tile_loadd(5, b, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, b + 512, 64);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(5, b + 1024, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(5, b + 1536, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        float *acc = (float *)b_tiles; /* 4 C tiles of 16 x 16 floats (the B tiles are done) */
+        _tile_stored(0, acc, 64);
+        _tile_stored(1, acc + 256, 64);
+        _tile_stored(2, acc + 512, 64);
+        _tile_stored(3, acc + 768, 64);
+        for (int h = 0; h < H; h++) {
+            const __m512 f = _mm512_set1_ps(inv[h]);
+            float *o = out + (int64_t)h * D + 64 * half;
+            for (int c = 0; c < 2; c++) {
+                const __m512 lo = _mm512_loadu_ps(acc + (2 * c) * 256 + h * 16);
+                const __m512 hi = _mm512_loadu_ps(acc + (2 * c + 1) * 256 + h * 16);
+                _mm512_storeu_ps(o + 32 * c, _mm512_mul_ps(f, _mm512_permutex2var_ps(lo, first, hi)));
+                _mm512_storeu_ps(o + 32 * c + 16, _mm512_mul_ps(f, _mm512_permutex2var_ps(lo, second, hi)));
+            }
+        }
     }
 }
 #endif
 
 /* Request b's attention with a bf16 pool and bf16 queries qb [H, D] (D = 32 * C; C and GP are
- * compile-time constants at each call so the loops over them unroll), into out (float32 [H, D]).
- * Both passes walk the keys in blocks of BLOCK rows (the next block prefetched), so a block's K
+ * compile-time constants at each call so the loops over them unroll), into out (float32 [H, D]):
+ * on AMX tiles with amx_scratch (scores_amx, values_amx), else as follows. Both passes walk the keys in blocks of BLOCK rows (the next block prefetched), so a block's K
  * or V rows (BLOCK * Hkv * D * 2 bytes, 6 KB for SmolLM2) stay in L1 while every head uses them.
  * Pass 1: per query head, BLOCK dot products (C VDPBF16PS each: exact products summed in float32)
- * whose sums hsum16 gathers into one vector of BLOCK scores. Pass 2: per KV head, GP query heads
+ * whose sums hsum16 gathers into one vector of BLOCK scores; the softmax is left unnormalised
+ * (softmax_rows_unnormalised) and out divided by its sum at the end. Pass 2: per KV head, GP query heads
  * of its group at a time keep their outputs in registers (GP * 2C accumulators, 16 at most) over
  * the block, each V row converted once (16 dims a vector); the sum runs in key order, as a
  * per-key read-modify-write of out would. Against one key at a time (a horizontal reduction per
@@ -283,20 +429,19 @@ static void scores_amx(const uint16_t *qb, const uint16_t *k, int64_t tok_stride
  * sequentially; prefetching further ahead was no better, into L2 instead 1.4x slower). */
 static inline __attribute__((always_inline)) void one_request_bf16(
     const uint16_t *qb, const uint16_t *k, const uint16_t *v, int64_t tok_stride, const int64_t *slots, int64_t L,
-    int H, int Hkv, const int C, const int GP, float scale, float *out, float *scores, uint16_t *amx_scratch) {
+    int H, int Hkv, const int C, const int GP, float scale, float *out, float *scores, float *inv,
+    uint16_t *amx_scratch) {
     const int G = H / Hkv, D = 32 * C;
     const int64_t row_bytes = (int64_t)Hkv * D * 2;
-    int64_t sh = L, st = 1; /* score of head h, key t at scores[h * sh + t * st] */
 #ifdef HAVE_AMX
     if (amx_scratch != NULL) {
-        scores_amx(qb, k, tok_stride, slots, L, H, Hkv, C, scale, scores, amx_scratch);
-        sh = 1, st = 16;
-    } else
+        scores_amx(qb, k, tok_stride, slots, L, H, Hkv, C, scale, scores, inv, amx_scratch);
+        values_amx(v, tok_stride, slots, L, H, Hkv, C, scores, inv, out, amx_scratch);
+        return;
+    }
 #else
     (void)amx_scratch;
 #endif
-    {
-    const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < L; t0 += BLOCK) {
         const uint16_t *rows[BLOCK];
         const int n = block_rows(k, tok_stride, slots, L, t0, row_bytes, rows);
@@ -311,30 +456,32 @@ static inline __attribute__((always_inline)) void one_request_bf16(
                     a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(rows[i] + kh + 32 * c));
                 acc[i] = a;
             }
-            _mm512_mask_storeu_ps(scores + (int64_t)h * L + t0, (__mmask16)((1u << n) - 1),
-                                  _mm512_mul_ps(vscale, hsum16(acc)));
+            _mm512_mask_storeu_ps(scores + (int64_t)h * L + t0, (__mmask16)((1u << n) - 1), hsum16(acc));
         }
     }
-    softmax_rows(scores, H, L);
-    }
+    softmax_rows_unnormalised(scores, H, L, scale, inv);
     memset(out, 0, (size_t)H * D * sizeof(float));
     for (int64_t t0 = 0; t0 < L; t0 += BLOCK) {
         const uint16_t *rows[BLOCK];
-        const int n = block_rows(v, tok_stride, slots, L, t0, row_bytes, rows);
+        const int n = L - t0 < BLOCK ? (int)(L - t0) : BLOCK;
+        for (int i = 0; i < n; i++) rows[i] = v + slots[t0 + i] * tok_stride;
         for (int j = 0; j < Hkv; j++)
             for (int g0 = 0; g0 < G; g0 += GP) {
                 float *o = out + (int64_t)(j * G + g0) * D; /* query head j * G + g0 + g at o + g * D */
-                const float *p = scores + (int64_t)(j * G + g0) * sh + t0 * st; /* head g, key i: p[g * sh + i * st] */
+                const float *p = scores + (int64_t)(j * G + g0) * L + t0; /* head g, key i: p[g * L + i] */
                 __m512 acc[4][8];
                 for (int g = 0; g < GP; g++)
                     if (g0 + g < G)
                         for (int c = 0; c < 2 * C; c++) acc[g][c] = _mm512_loadu_ps(o + (int64_t)g * D + 16 * c);
                 for (int i = 0; i < n; i++) {
+                    /* the next block's row i, spread over the block's keys (see values_amx) */
+                    if (j == 0 && g0 == 0 && t0 + BLOCK + i < L)
+                        prefetch_row(v, slots[t0 + BLOCK + i] * tok_stride, row_bytes, 2);
                     __m512 vf[8];
                     for (int c = 0; c < 2 * C; c++) vf[c] = bf16x16_to_f32(rows[i] + (int64_t)j * D + 16 * c);
                     for (int g = 0; g < GP; g++)
                         if (g0 + g < G) {
-                            const __m512 pg = _mm512_set1_ps(p[(int64_t)g * sh + i * st]);
+                            const __m512 pg = _mm512_set1_ps(p[(int64_t)g * L + i]);
                             for (int c = 0; c < 2 * C; c++) acc[g][c] = _mm512_fmadd_ps(pg, vf[c], acc[g][c]);
                         }
                 }
@@ -342,6 +489,11 @@ static inline __attribute__((always_inline)) void one_request_bf16(
                     if (g0 + g < G)
                         for (int c = 0; c < 2 * C; c++) _mm512_storeu_ps(o + (int64_t)g * D + 16 * c, acc[g][c]);
             }
+    }
+    for (int h = 0; h < H; h++) { /* the softmax's division, once a head */
+        const __m512 f = _mm512_set1_ps(inv[h]);
+        for (int c = 0; c < 2 * C; c++)
+            _mm512_storeu_ps(out + (int64_t)h * D + 16 * c, _mm512_mul_ps(f, _mm512_loadu_ps(out + (int64_t)h * D + 16 * c)));
     }
 }
 #endif
@@ -426,6 +578,7 @@ int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, 
         float *buf = (float *)malloc((size_t)Hkv * D * sizeof(float));
         float *qf = (float *)malloc((size_t)HD * sizeof(float)); /* a bf16 query as float32 */
         float *of = (float *)malloc((size_t)HD * sizeof(float)); /* float32 output before bf16 */
+        float *inv = (float *)malloc((size_t)(H > 16 ? H : 16) * sizeof(float)); /* 1 / softmax sums */
         uint16_t *amx_scratch = NULL;
 #ifdef HAVE_AMX
         if (amx) {
@@ -433,7 +586,7 @@ int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, 
             amx_configure();
         }
 #endif
-        const int ok = scores != NULL && buf != NULL && qf != NULL && of != NULL && (!amx || amx_scratch != NULL);
+        const int ok = scores != NULL && buf != NULL && qf != NULL && of != NULL && inv != NULL && (!amx || amx_scratch != NULL);
         failed |= !ok;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
@@ -448,9 +601,9 @@ int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, 
 #ifdef HAVE_AVX512_BF16
                 const uint16_t *qb = (const uint16_t *)q + b * q_stride;
                 if (D == 64)
-                    one_request_bf16(qb, k, v, tok_stride, slots, lens[b], H, Hkv, 2, 4, scale, ob, scores, amx_scratch);
+                    one_request_bf16(qb, k, v, tok_stride, slots, lens[b], H, Hkv, 2, 4, scale, ob, scores, inv, amx_scratch);
                 else
-                    one_request_bf16(qb, k, v, tok_stride, slots, lens[b], H, Hkv, 4, 2, scale, ob, scores, amx_scratch);
+                    one_request_bf16(qb, k, v, tok_stride, slots, lens[b], H, Hkv, 4, 2, scale, ob, scores, inv, amx_scratch);
 #endif
             } else {
                 const float *qb = (const float *)q + b * q_stride;
@@ -484,6 +637,7 @@ int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, 
         free(buf);
         free(qf);
         free(of);
+        free(inv);
     }
     return failed ? 2 : 0;
 }

@@ -19,18 +19,17 @@ same pool in the same run, alternating with the current one, and prints current 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from kernel_revs import library_at
 
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
 from meshlm.scheduler.attention.cpu_kernel import SOURCE, DecodeKernel, load_decode_kernel
 from meshlm.scheduler.attention.extend_kernel import load_extend_kernel
 from meshlm.scheduler.attention.torch_native import TorchNativeAttnBackend
-from meshlm.scheduler.kernels.build import load_library
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -71,19 +70,6 @@ def build(
     return fb, [RadixAttention(heads, dim, dim**-0.5, kv_heads, layer) for layer in range(layers)]
 
 
-def kernel_at(rev: str, scratch: Path) -> DecodeKernel:
-    """The decode kernel built from its source (and the headers it includes) at git revision rev,
-    laid out under scratch as in the package so its relative #include paths resolve."""
-    package = SOURCE.parents[2]  # .../meshlm/scheduler
-    top = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=package, text=True).strip())
-    for rel in ("attention/csrc/decode_attention.c", "kernels/csrc/amx.h"):
-        path = (package / rel).relative_to(top)
-        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=top, capture_output=True, text=True).stdout
-        (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
-        (scratch / rel).write_text(text)
-    return DecodeKernel(load_library(scratch / "attention/csrc/decode_attention.c"))
-
-
 def time_step(backend, fb: ForwardBatch, attn: list[RadixAttention], repeats: int) -> float:
     """Best-of-`repeats` seconds per layer of a full pass over all layers."""
     b, heads, kv_heads, dim = fb.batch_size, attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim
@@ -121,7 +107,8 @@ def main() -> None:
     scratch = tempfile.TemporaryDirectory()
     base = None
     if args.baseline_rev:
-        base = CpuAttnBackend(kernel_at(args.baseline_rev, Path(scratch.name)), load_extend_kernel())
+        lib = library_at(args.baseline_rev, SOURCE, Path(scratch.name))
+        base = CpuAttnBackend(DecodeKernel(lib), load_extend_kernel())
     elem = torch.empty(0, dtype=dtype).element_size()
     print(
         f"decode attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "

@@ -2,7 +2,8 @@
 """Extend (prefill) attention alone: the CPU backend with its C extend kernel vs the same backend
 with SDPA for long segments (what it did before the kernel, and what torch_native does), same
 pool, same batch, measured in one run. With `--dtype bfloat16` on a CPU with AMX, also the AMX
-extend kernel (csrc/extend_attention_amx.c) and its ratio SDPA / AMX.
+extend kernel (csrc/extend_attention_amx.c) and its ratio SDPA / AMX; `--baseline-rev REV` also
+times the AMX kernel as it was at git revision REV, alternating with the current one.
 
 Each case is an extend batch of `--batch` requests with `--prompt` new tokens after `--prefix`
 cached ones (slots scattered, as after many allocations), over `--layers` layers with SmolLM2-
@@ -16,13 +17,21 @@ kernel's GFLOP/s (causal: the FLOPs of the visible scores only) and the ratio SD
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from kernel_revs import library_at
 
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
 from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode_kernel
-from meshlm.scheduler.attention.extend_kernel import load_amx_extend_kernel, load_extend_kernel
+from meshlm.scheduler.attention.extend_kernel import (
+    AMX_SOURCE,
+    AmxExtendKernel,
+    load_amx_extend_kernel,
+    load_extend_kernel,
+)
 from meshlm.scheduler.layers.radix_attention import RadixAttention
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -84,6 +93,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="pool and q/k/v dtype")
+    p.add_argument("--baseline-rev", help="also time the AMX kernel as of this git revision (same run)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,12 +106,19 @@ def main() -> None:
             amx = CpuAttnBackend(decode, None, (), load_amx_extend_kernel())
         except KernelUnavailable as e:
             print(f"no AMX extend kernel: {e}")
+    scratch = tempfile.TemporaryDirectory()
+    base: CpuAttnBackend | None = None
+    if amx is not None and args.baseline_rev:
+        lib = library_at(args.baseline_rev, AMX_SOURCE, Path(scratch.name))
+        base = CpuAttnBackend(decode, None, (), AmxExtendKernel(lib))
     print(
         f"extend attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
         f"{args.dtype}, threads {torch.get_num_threads()}"
     )
     head = ("batch", 6), ("prompt", 7), ("prefix", 7), ("SDPA ms/layer", 14), ("kernel ms/layer", 16), ("GFLOP/s", 8)
     amx_head = f" {'AMX ms/layer':>13s} {'GFLOP/s':>8s} {'ratio':>7s}" if amx is not None else ""
+    if base is not None:
+        amx_head += f" {args.baseline_rev + ' ms/layer':>18s} {'AMX / it':>9s}"
     print(" ".join(f"{name:>{w}s}" for name, w in head) + f" {'ratio':>7s}" + amx_head)
     for b in args.batch:
         for n in args.prompt:
@@ -118,8 +135,14 @@ def main() -> None:
                     f"{flops / t_kernel / 1e9:>8.0f} {t_sdpa / t_kernel:>6.2f}x"
                 )
                 if amx is not None:
-                    t_amx = time_pass(amx, fb, attn, args.repeats)
+                    t_amx, t_base = float("inf"), float("inf")
+                    for _ in range(3 if base is not None else 1):  # alternating, so drift hits both alike
+                        t_amx = min(t_amx, time_pass(amx, fb, attn, args.repeats))
+                        if base is not None:
+                            t_base = min(t_base, time_pass(base, fb, attn, args.repeats))
                     line += f" {t_amx * 1e3:>13.2f} {flops / t_amx / 1e9:>8.0f} {t_sdpa / t_amx:>6.2f}x"
+                    if base is not None:
+                        line += f" {t_base * 1e3:>18.2f} {t_amx / t_base:>8.2f}x"
                 print(line, flush=True)
 
 

@@ -220,6 +220,34 @@ def test_amx_extend_equals_causal_attention(case: str, heads: int, kv_heads: int
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (14, 2, 128)])
+@pytest.mark.parametrize("growth", [0.05, 1.0])
+def test_amx_extend_running_max_that_keeps_growing(heads: int, kv_heads: int, dim: int, growth: float) -> None:
+    """Scores that rise along the keys (key t is (1 + growth * t) times a common direction the
+    queries share): with growth 1 each block of 32 keys raises a query's max by ~32, past the
+    lazy threshold, so the output tiles kept in registers (head dims up to 64) are stored,
+    rescaled and reloaded on every block; with 0.05 the max creeps up by less and the weights run
+    above 1 between rescales. Either way the result is the softmax's (the last keys dominate)."""
+    torch.manual_seed(3)
+    segments = [(40, 200), (0, 100)]
+    fb, pool, table = _extend_batch(segments, heads, kv_heads, dim, torch.bfloat16)
+    base = torch.randn(dim).sign() * dim**-0.25  # q . k = sqrt(dim) (1 + growth * t) for k along base
+    for i, (pre, n) in enumerate(segments):
+        idx = table.req_to_token[i + 1, : pre + n]
+        ramp = 1 + growth * torch.arange(pre + n, dtype=torch.float32)
+        pool.k_buffer[0][idx] = (ramp[:, None, None] * base + 0.1 * torch.randn(pre + n, kv_heads, dim)).bfloat16()
+    impl, calls = _amx_backend()
+    impl.init_forward_metadata(fb)
+    t = sum(n for _, n in segments)
+    q = (base + 0.1 * torch.randn(t, heads, dim)).bfloat16()
+    k = pool.k_buffer[0][fb.out_cache_loc].clone()
+    v = pool.v_buffer[0][fb.out_cache_loc].clone()
+    out = impl.forward(q, k, v, RadixAttention(heads, dim, dim**-0.5, kv_heads, 0), fb)
+    assert len(calls) == 1
+    want = _reference(q, pool, table, segments, heads, kv_heads, dim)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_amx_extend_rejects_out_of_range_segments() -> None:
     """A slot past the pool, a prefix past the table row or a segment past the batch raises
     IndexError before anything is read; a float32 pool or an unsupported head dim is refused."""

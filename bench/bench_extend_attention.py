@@ -29,6 +29,8 @@ from meshlm.scheduler.attention.cpu_kernel import KernelUnavailable, load_decode
 from meshlm.scheduler.attention.extend_kernel import (
     AMX_SOURCE,
     AmxExtendKernel,
+    ExtendKernel,
+    ExtendSegments,
     load_amx_extend_kernel,
     load_extend_kernel,
 )
@@ -81,6 +83,29 @@ def time_pass(backend: CpuAttnBackend, fb: ForwardBatch, attn: list[RadixAttenti
     return best / len(attn)
 
 
+class StorelessAmx(ExtendKernel):
+    """An AMX extend library from before meshlm_extend_attention_amx_store, called as the backend
+    called it then: the new K/V stored by index_put, a float32 out converted after."""
+
+    SYMBOL, NEEDS, Q_DTYPE = AmxExtendKernel.SYMBOL, AmxExtendKernel.NEEDS, torch.bfloat16
+    supports = staticmethod(AmxExtendKernel.supports)
+
+    def store_attend(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        req_to_token: torch.Tensor,
+        segments: ExtendSegments,
+        scale: float,
+        out: torch.Tensor,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        if new_kv is not None:
+            k_buf[new_kv[2]], v_buf[new_kv[2]] = new_kv[0], new_kv[1]
+        return self(q, k_buf, v_buf, req_to_token, segments, scale, torch.empty(out.shape)).to(out.dtype)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="*", default=[1, 8])
@@ -110,7 +135,8 @@ def main() -> None:
     base: CpuAttnBackend | None = None
     if amx is not None and args.baseline_rev:
         lib = library_at(args.baseline_rev, AMX_SOURCE, Path(scratch.name))
-        base = CpuAttnBackend(decode, None, (), AmxExtendKernel(lib))
+        old = AmxExtendKernel(lib) if hasattr(lib, "meshlm_extend_attention_amx_store") else StorelessAmx(lib)
+        base = CpuAttnBackend(decode, None, (), old)  # type: ignore[arg-type]
     print(
         f"extend attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
         f"{args.dtype}, threads {torch.get_num_threads()}"

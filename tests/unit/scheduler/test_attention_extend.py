@@ -195,6 +195,10 @@ def _amx_backend():
             calls.append(1)
             return amx(*args, **kwargs)
 
+        def store_attend(self, *args, **kwargs):
+            calls.append(1)
+            return amx.store_attend(*args, **kwargs)
+
     return CpuAttnBackend(base.kernel, base.extend_kernel, (torch.bfloat16,), Spy()), calls  # type: ignore[arg-type]
 
 
@@ -216,6 +220,8 @@ def test_amx_extend_equals_causal_attention(case: str, heads: int, kv_heads: int
     q, k, v = (x.view(t, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     out = impl.forward(q, k, v, RadixAttention(heads, dim, dim**-0.5, kv_heads, 0), fb)
     assert len(calls) == 1 and out.dtype == torch.bfloat16
+    # stored by set_kv_buffer, or by the kernel itself when no short row reads the pool first
+    assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k) and torch.equal(pool.v_buffer[0][fb.out_cache_loc], v)
     want = _reference(q, pool, table, segments, heads, kv_heads, dim)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
@@ -274,3 +280,41 @@ def test_amx_extend_rejects_out_of_range_segments() -> None:
     with pytest.raises(ValueError, match="pool dtype"):
         f32 = _extend_batch([(4, 20)], 2, 1, 32, torch.float32)[1]
         amx(q, f32.k_buffer[0], f32.v_buffer[0], table.req_to_token, good, 0.2, out)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_amx_extend_store_attend(dim: int) -> None:
+    """store_attend writes the batch's new K / V into their slots before attending (what
+    set_kv_buffer then the kernel gave, bit for bit), a bf16 out is the float32 result rounded
+    once, and a new slot outside the pool raises IndexError with the pool untouched."""
+    try:
+        amx = load_amx_extend_kernel()
+    except KernelUnavailable as e:
+        pytest.skip(f"no AMX: {e}")
+    torch.manual_seed(4)
+    segments = [(7, 70), (0, 33)]
+    heads, kv_heads = 6, 2
+    fb, pool, table = _extend_batch(segments, heads, kv_heads, dim, torch.bfloat16)
+    t = sum(n for _, n in segments)
+    q = torch.randn(t, heads, dim).bfloat16()
+    qkv = torch.randn(t, 2 * kv_heads * dim).bfloat16()  # k, v as views of one packed row per token
+    k, v = (x.view(t, kv_heads, dim) for x in qkv.split([kv_heads * dim, kv_heads * dim], dim=-1))
+    loc = fb.out_cache_loc
+    segs = ExtendSegments.of([1, 2], [p for p, _ in segments], [0, segments[0][1]], [n for _, n in segments])
+    k_buf, v_buf = pool.k_buffer[0], pool.v_buffer[0]
+    before = k_buf.clone(), v_buf.clone()
+    bf16 = amx.store_attend(
+        q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim).bfloat16(), (k, v, loc)
+    )
+    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
+    untouched = torch.ones(k_buf.shape[0], dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.equal(k_buf[untouched], before[0][untouched]) and torch.equal(v_buf[untouched], before[1][untouched])
+    f32 = amx(q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim))
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, f32.bfloat16())
+    snapshot = k_buf.clone()
+    bad = loc.clone()
+    bad[5] = k_buf.shape[0]
+    with pytest.raises(IndexError):
+        amx.store_attend(q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim), (k * 2, v, bad))
+    assert torch.equal(k_buf, snapshot)

@@ -169,11 +169,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         assert pool is not None and fb.out_cache_loc is not None
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         km = meta.kernel
-        if km is not None and meta.kernel_tokens is None:
-            return self.kernel(q, k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling).to(q.dtype)
         h, d = q.shape[1], q.shape[2]
         ext, amx = self.extend_kernel, self.amx_extend
         use_amx = (
@@ -182,6 +179,18 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             and k_buf.dtype == torch.bfloat16
             and amx.supports(h, layer.num_kv_heads, d)
         )
+        # The AMX kernel stores the new K/V itself and writes bf16 when nothing else reads the
+        # pool first (no short rows for the decode kernel) and q, k, v are already bf16.
+        fused = use_amx and km is None and q.dtype == k.dtype == v.dtype == k_buf.dtype
+        if fused:
+            assert amx is not None and fb.req_to_token_pool is not None and meta.long is not None
+            new_kv = (k.view(-1, layer.num_kv_heads, d), v.view(-1, layer.num_kv_heads, d), fb.out_cache_loc)
+            table = fb.req_to_token_pool.req_to_token
+            out = torch.empty(q.shape, dtype=q.dtype)
+            return amx.store_attend(q, k_buf, v_buf, table, meta.long, layer.scaling, out, new_kv)
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        if km is not None and meta.kernel_tokens is None:
+            return self.kernel(q, k_buf, v_buf, km.req_to_token, km.rows, km.lens, layer.scaling).to(q.dtype)
         use_kernel = use_amx or (
             meta.long is not None
             and ext is not None

@@ -157,7 +157,7 @@ static void pack_block(const uint16_t *k, const uint16_t *v, int64_t tok_stride,
  * max, sum and rescale of each query are lane-wise, and the output is O^T = V^T . P^T. Writes
  * its rows of out. Scratch: ot [D][16], st [KB][16] float32, pt [KB / 2][32] and qt [C][512] bf16. */
 static void attend_block(const uint16_t *q, int64_t q_stride, int64_t start, int64_t prefix, int64_t a0, int n,
-                         int h, int D, float scale, const uint16_t *kt, float *out, int64_t out_stride, float *ot,
+                         int h, int D, float scale, const uint16_t *kt, void *out, int64_t out_stride, int out_bf16, float *ot,
                          float *st, uint16_t *pt, uint16_t *qt) {
     const int C = D / 32, E = D / 16;
     const int64_t tiles_kb = 4 * C; /* 2C K tiles + D / 16 = 2C V tiles a key block */
@@ -253,10 +253,15 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t start, int
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
     const __m512i oidx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
     for (int j = 0; j < n; j++) {
-        float *dst = out + (start + a0 + j) * out_stride + (int64_t)h * D;
+        const int64_t at = (start + a0 + j) * out_stride + (int64_t)h * D;
         const __m512 s_j = _mm512_set1_ps(inv[j]);
-        for (int e = 0; e < E; e++)
-            _mm512_storeu_ps(dst + 16 * e, _mm512_mul_ps(s_j, _mm512_i32gather_ps(oidx, ot + e * 256 + j, 4)));
+        for (int e = 0; e < E; e++) {
+            const __m512 o = _mm512_mul_ps(s_j, _mm512_i32gather_ps(oidx, ot + e * 256 + j, 4));
+            if (out_bf16) /* round to nearest even, as a float32 output's .to(bfloat16) would */
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16 * e), (__m256i)_mm512_cvtneps_pbh(o));
+            else
+                _mm512_storeu_ps((float *)out + at + 16 * e, o);
+        }
     }
 }
 
@@ -269,8 +274,8 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t start, int
  * 4 .. 4 + E - 1 = O^T. Same arguments and scratch as attend_block. */
 #define TAU 8.f
 static void attend_block_resident(const uint16_t *q, int64_t q_stride, int64_t start, int64_t prefix, int64_t a0,
-                                  int n, int h, int D, float scale, const uint16_t *kt, float *out,
-                                  int64_t out_stride, float *ot, float *st, uint16_t *pt, uint16_t *qt) {
+                                  int n, int h, int D, float scale, const uint16_t *kt, void *out,
+                                  int64_t out_stride, int out_bf16, float *ot, float *st, uint16_t *pt, uint16_t *qt) {
     const int C = D / 32, E = D / 16;
     const int64_t tiles_kb = 4 * C;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -370,35 +375,58 @@ static void attend_block_resident(const uint16_t *q, int64_t q_stride, int64_t s
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
     const __m512i oidx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
     for (int j = 0; j < n; j++) {
-        float *dst = out + (start + a0 + j) * out_stride + (int64_t)h * D;
+        const int64_t at = (start + a0 + j) * out_stride + (int64_t)h * D;
         const __m512 s_j = _mm512_set1_ps(inv[j]);
-        for (int e = 0; e < E; e++)
-            _mm512_storeu_ps(dst + 16 * e, _mm512_mul_ps(s_j, _mm512_i32gather_ps(oidx, ot + e * 256 + j, 4)));
+        for (int e = 0; e < E; e++) {
+            const __m512 o = _mm512_mul_ps(s_j, _mm512_i32gather_ps(oidx, ot + e * 256 + j, 4));
+            if (out_bf16) /* round to nearest even, as a float32 output's .to(bfloat16) would */
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16 * e), (__m256i)_mm512_cvtneps_pbh(o));
+            else
+                _mm512_storeu_ps((float *)out + at + 16 * e, o);
+        }
     }
 }
 #endif
 
 /* The arguments of meshlm_extend_attention (extend_attention.c), q in bf16 and kv_dtype 1 (bf16)
- * only. Returns 0 on success, 1 on an unsupported shape or dtype (or no AMX), 2 when scratch memory could not
- * be allocated, 3 when a segment names a row, prefix, start, length or slot out of range
- * (checked before anything is read). */
-int meshlm_extend_attention_amx(const void *q, int64_t q_stride, int64_t T, const void *k, const void *v,
-                                int kv_dtype, int64_t tok_stride, int64_t num_slots, const int64_t *table, int64_t table_rows,
-                                int64_t table_stride, const int64_t *rows, const int64_t *prefix,
-                                const int64_t *starts, const int64_t *lens, int64_t S, int H, int Hkv, int D,
-                                float scale, float *out, int64_t out_stride, int num_threads) {
+ * only, plus: out of out_dtype (0 float32, 1 bf16: the float32 result rounded to nearest even),
+ * and, with new_k / new_v non-NULL, the batch's new K / V rows (token t's Hkv * D bf16 at
+ * new_k + t * kn_stride, new_v + t * vn_stride) stored into slot loc[t] of the pool first, for t
+ * in [0, T). Returns 0 on success, 1 on an unsupported shape or dtype (or no AMX), 2 when scratch
+ * memory could not be allocated, 3 when a segment names a row, prefix, start, length or slot out
+ * of range, or a loc[t] is outside the pool (checked before anything is read or written). */
+int meshlm_extend_attention_amx_store(const void *q, int64_t q_stride, int64_t T, const void *k, const void *v,
+                                      int kv_dtype, int64_t tok_stride, int64_t num_slots, const int64_t *table,
+                                      int64_t table_rows, int64_t table_stride, const int64_t *rows,
+                                      const int64_t *prefix, const int64_t *starts, const int64_t *lens, int64_t S,
+                                      int H, int Hkv, int D, float scale, void *out, int64_t out_stride,
+                                      int out_dtype, const void *new_k, int64_t kn_stride, const void *new_v,
+                                      int64_t vn_stride, const int64_t *loc, int num_threads) {
 #ifndef HAVE_AMX
     (void)q, (void)q_stride, (void)T, (void)k, (void)v, (void)kv_dtype, (void)tok_stride, (void)num_slots, (void)table;
     (void)table_rows, (void)table_stride, (void)rows, (void)prefix, (void)starts, (void)lens, (void)S, (void)H;
-    (void)Hkv, (void)D, (void)scale, (void)out, (void)out_stride, (void)num_threads;
+    (void)Hkv, (void)D, (void)scale, (void)out, (void)out_stride, (void)num_threads, (void)out_dtype;
+    (void)new_k, (void)kn_stride, (void)new_v, (void)vn_stride, (void)loc;
     return 1;
 #else
     if (kv_dtype != 1 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D % 32 != 0 || D < 32 || D > 128 ||
-        !amx_permitted())
+        (out_dtype != 0 && out_dtype != 1) || (new_k == NULL) != (new_v == NULL) || !amx_permitted())
         return 1;
     for (int64_t s = 0; s < S; s++)
         if (bad_segment(table, table_rows, table_stride, num_slots, T, rows[s], prefix[s], starts[s], lens[s]))
             return 3;
+    if (new_k != NULL)
+        for (int64_t t = 0; t < T; t++)
+            if (loc[t] < 0 || loc[t] >= num_slots) return 3;
+    const int out_bf16 = out_dtype == 1;
+    if (new_k != NULL) {
+        const size_t row = (size_t)Hkv * D * sizeof(uint16_t);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t t = 0; t < T; t++) { /* slots are distinct per token */
+            memcpy((uint16_t *)k + loc[t] * tok_stride, (const uint16_t *)new_k + t * kn_stride, row);
+            memcpy((uint16_t *)v + loc[t] * tok_stride, (const uint16_t *)new_v + t * vn_stride, row);
+        }
+    }
     if (S == 0) return 0;
     const int G = H / Hkv, C = D / 32;
     /* packed tiles: segment s, KV head j at pack + (off[s] * Hkv + j * nkb(s)) * 4C tiles */
@@ -466,10 +494,10 @@ int meshlm_extend_attention_amx(const void *q, int64_t q_stride, int64_t T, cons
             const uint16_t *kt = pack + (off[s] * Hkv + (int64_t)(h / G) * nkb) * tiles_kb * TILE;
             if (D <= 64)
                 attend_block_resident((const uint16_t *)q, q_stride, starts[s], prefix[s], a0, n, h, D, scale, kt,
-                                      out, out_stride, o, sc, p, qpad);
+                                      out, out_stride, out_bf16, o, sc, p, qpad);
             else
                 attend_block((const uint16_t *)q, q_stride, starts[s], prefix[s], a0, n, h, D, scale, kt, out,
-                             out_stride, o, sc, p, qpad);
+                             out_stride, out_bf16, o, sc, p, qpad);
         }
         if (ok) _tile_release();
         free(o);
@@ -482,4 +510,15 @@ int meshlm_extend_attention_amx(const void *q, int64_t q_stride, int64_t T, cons
     free(item);
     return failed ? 2 : 0;
 #endif
+}
+
+/* meshlm_extend_attention_amx_store with a float32 out and nothing to store (ExtendKernel's call). */
+int meshlm_extend_attention_amx(const void *q, int64_t q_stride, int64_t T, const void *k, const void *v,
+                                int kv_dtype, int64_t tok_stride, int64_t num_slots, const int64_t *table,
+                                int64_t table_rows, int64_t table_stride, const int64_t *rows, const int64_t *prefix,
+                                const int64_t *starts, const int64_t *lens, int64_t S, int H, int Hkv, int D,
+                                float scale, float *out, int64_t out_stride, int num_threads) {
+    return meshlm_extend_attention_amx_store(q, q_stride, T, k, v, kv_dtype, tok_stride, num_slots, table, table_rows,
+                                             table_stride, rows, prefix, starts, lens, S, H, Hkv, D, scale, out,
+                                             out_stride, 0, NULL, 0, NULL, 0, NULL, num_threads);
 }

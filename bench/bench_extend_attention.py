@@ -30,7 +30,6 @@ from meshlm.scheduler.attention.extend_kernel import (
     AMX_SOURCE,
     AmxExtendKernel,
     ExtendKernel,
-    ExtendSegments,
     load_amx_extend_kernel,
     load_extend_kernel,
 )
@@ -84,26 +83,20 @@ def time_pass(backend: CpuAttnBackend, fb: ForwardBatch, attn: list[RadixAttenti
 
 
 class StorelessAmx(ExtendKernel):
-    """An AMX extend library from before meshlm_extend_attention_amx_store, called as the backend
-    called it then: the new K/V stored by index_put, a float32 out converted after."""
+    """An AMX extend library from before meshlm_kv_store_bf16 / meshlm_extend_attention_amx_out,
+    called as the backend called it then: the new K/V stored by index_put, a float32 out."""
 
     SYMBOL, NEEDS, Q_DTYPE = AmxExtendKernel.SYMBOL, AmxExtendKernel.NEEDS, torch.bfloat16
     supports = staticmethod(AmxExtendKernel.supports)
 
-    def store_attend(
-        self,
-        q: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
-        req_to_token: torch.Tensor,
-        segments: ExtendSegments,
-        scale: float,
-        out: torch.Tensor,
-        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        if new_kv is not None:
-            k_buf[new_kv[2]], v_buf[new_kv[2]] = new_kv[0], new_kv[1]
-        return self(q, k_buf, v_buf, req_to_token, segments, scale, torch.empty(out.shape)).to(out.dtype)
+    def store(
+        self, k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor
+    ) -> None:
+        k_buf[loc], v_buf[loc] = k, v
+
+    def __call__(self, q, k_buf, v_buf, req_to_token, segments, scale, out):  # type: ignore[no-untyped-def]
+        f32 = out if out.dtype == torch.float32 else torch.empty(out.shape)
+        return super().__call__(q, k_buf, v_buf, req_to_token, segments, scale, f32).to(out.dtype)
 
 
 def main() -> None:
@@ -135,7 +128,7 @@ def main() -> None:
     base: CpuAttnBackend | None = None
     if amx is not None and args.baseline_rev:
         lib = library_at(args.baseline_rev, AMX_SOURCE, Path(scratch.name))
-        old = AmxExtendKernel(lib) if hasattr(lib, "meshlm_extend_attention_amx_store") else StorelessAmx(lib)
+        old = AmxExtendKernel(lib) if hasattr(lib, "meshlm_kv_store_bf16") else StorelessAmx(lib)
         base = CpuAttnBackend(decode, None, (), old)  # type: ignore[arg-type]
     print(
         f"extend attention, {args.layers} layers, H={args.heads} Hkv={args.kv_heads} D={args.head_dim} "

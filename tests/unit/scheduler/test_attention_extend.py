@@ -195,9 +195,7 @@ def _amx_backend():
             calls.append(1)
             return amx(*args, **kwargs)
 
-        def store_attend(self, *args, **kwargs):
-            calls.append(1)
-            return amx.store_attend(*args, **kwargs)
+        store = staticmethod(amx.store)
 
     return CpuAttnBackend(base.kernel, base.extend_kernel, (torch.bfloat16,), Spy()), calls  # type: ignore[arg-type]
 
@@ -220,7 +218,7 @@ def test_amx_extend_equals_causal_attention(case: str, heads: int, kv_heads: int
     q, k, v = (x.view(t, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     out = impl.forward(q, k, v, RadixAttention(heads, dim, dim**-0.5, kv_heads, 0), fb)
     assert len(calls) == 1 and out.dtype == torch.bfloat16
-    # stored by set_kv_buffer, or by the kernel itself when no short row reads the pool first
+    # stored by the kernel's C store (bf16 on AMX), in every case
     assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k) and torch.equal(pool.v_buffer[0][fb.out_cache_loc], v)
     want = _reference(q, pool, table, segments, heads, kv_heads, dim)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
@@ -283,10 +281,10 @@ def test_amx_extend_rejects_out_of_range_segments() -> None:
 
 
 @pytest.mark.parametrize("dim", [64, 128])
-def test_amx_extend_store_attend(dim: int) -> None:
-    """store_attend writes the batch's new K / V into their slots before attending (what
-    set_kv_buffer then the kernel gave, bit for bit), a bf16 out is the float32 result rounded
-    once, and a new slot outside the pool raises IndexError with the pool untouched."""
+def test_amx_extend_store_and_bf16_out(dim: int) -> None:
+    """AmxExtendKernel.store writes each new K / V row into its slot and nothing else (what
+    set_kv_buffer does, bit for bit; k / v views of packed rows), a slot outside the pool raises
+    IndexError with nothing written, and a bf16 `out` is the float32 result rounded once."""
     try:
         amx = load_amx_extend_kernel()
     except KernelUnavailable as e:
@@ -297,24 +295,20 @@ def test_amx_extend_store_attend(dim: int) -> None:
     fb, pool, table = _extend_batch(segments, heads, kv_heads, dim, torch.bfloat16)
     t = sum(n for _, n in segments)
     q = torch.randn(t, heads, dim).bfloat16()
-    qkv = torch.randn(t, 2 * kv_heads * dim).bfloat16()  # k, v as views of one packed row per token
+    qkv = torch.randn(t, 2 * kv_heads * dim).bfloat16()
     k, v = (x.view(t, kv_heads, dim) for x in qkv.split([kv_heads * dim, kv_heads * dim], dim=-1))
     loc = fb.out_cache_loc
-    segs = ExtendSegments.of([1, 2], [p for p, _ in segments], [0, segments[0][1]], [n for _, n in segments])
     k_buf, v_buf = pool.k_buffer[0], pool.v_buffer[0]
-    before = k_buf.clone(), v_buf.clone()
-    bf16 = amx.store_attend(
-        q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim).bfloat16(), (k, v, loc)
-    )
-    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
-    untouched = torch.ones(k_buf.shape[0], dtype=torch.bool)
-    untouched[loc] = False
-    assert torch.equal(k_buf[untouched], before[0][untouched]) and torch.equal(v_buf[untouched], before[1][untouched])
-    f32 = amx(q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim))
-    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, f32.bfloat16())
-    snapshot = k_buf.clone()
+    want_k, want_v = k_buf.clone(), v_buf.clone()
+    want_k[loc], want_v[loc] = k, v
+    amx.store(k_buf, v_buf, k, v, loc)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
     bad = loc.clone()
     bad[5] = k_buf.shape[0]
     with pytest.raises(IndexError):
-        amx.store_attend(q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim), (k * 2, v, bad))
-    assert torch.equal(k_buf, snapshot)
+        amx.store(k_buf, v_buf, k * 2, v * 2, bad)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
+    segs = ExtendSegments.of([1, 2], [p for p, _ in segments], [0, segments[0][1]], [n for _, n in segments])
+    f32 = amx(q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim))
+    bf16 = amx(q, k_buf, v_buf, table.req_to_token, segs, 0.1, torch.empty(t, heads, dim).bfloat16())
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, f32.bfloat16())

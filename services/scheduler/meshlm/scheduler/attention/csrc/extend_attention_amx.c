@@ -388,45 +388,48 @@ static void attend_block_resident(const uint16_t *q, int64_t q_stride, int64_t s
 }
 #endif
 
+/* Token t's new K / V row (Hkv * D bf16 at new_k + t * kn_stride, new_v + t * vn_stride) into
+ * slot loc[t] of the pool (k, v: slot s at s * tok_stride), for t in [0, T): what the model's
+ * set_kv_buffer does with two index_put, in one parallel pass. Returns 0, or 3 (nothing written)
+ * when a loc[t] lies outside [0, num_slots). Slots are distinct per token (the allocator's). */
+int meshlm_kv_store_bf16(void *k, void *v, int64_t tok_stride, int64_t num_slots, const void *new_k,
+                         int64_t kn_stride, const void *new_v, int64_t vn_stride, const int64_t *loc, int64_t T,
+                         int Hkv, int D, int num_threads) {
+    for (int64_t t = 0; t < T; t++)
+        if (loc[t] < 0 || loc[t] >= num_slots) return 3;
+    const size_t row = (size_t)Hkv * D * sizeof(uint16_t);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        memcpy((uint16_t *)k + loc[t] * tok_stride, (const uint16_t *)new_k + t * kn_stride, row);
+        memcpy((uint16_t *)v + loc[t] * tok_stride, (const uint16_t *)new_v + t * vn_stride, row);
+    }
+    return 0;
+}
+
 /* The arguments of meshlm_extend_attention (extend_attention.c), q in bf16 and kv_dtype 1 (bf16)
- * only, plus: out of out_dtype (0 float32, 1 bf16: the float32 result rounded to nearest even),
- * and, with new_k / new_v non-NULL, the batch's new K / V rows (token t's Hkv * D bf16 at
- * new_k + t * kn_stride, new_v + t * vn_stride) stored into slot loc[t] of the pool first, for t
- * in [0, T). Returns 0 on success, 1 on an unsupported shape or dtype (or no AMX), 2 when scratch
- * memory could not be allocated, 3 when a segment names a row, prefix, start, length or slot out
- * of range, or a loc[t] is outside the pool (checked before anything is read or written). */
-int meshlm_extend_attention_amx_store(const void *q, int64_t q_stride, int64_t T, const void *k, const void *v,
-                                      int kv_dtype, int64_t tok_stride, int64_t num_slots, const int64_t *table,
-                                      int64_t table_rows, int64_t table_stride, const int64_t *rows,
-                                      const int64_t *prefix, const int64_t *starts, const int64_t *lens, int64_t S,
-                                      int H, int Hkv, int D, float scale, void *out, int64_t out_stride,
-                                      int out_dtype, const void *new_k, int64_t kn_stride, const void *new_v,
-                                      int64_t vn_stride, const int64_t *loc, int num_threads) {
+ * only, plus out_dtype: 0 float32, 1 bf16 (the float32 result rounded to nearest even, as
+ * .to(bfloat16) would). Returns 0 on success, 1 on an unsupported shape or dtype (or no AMX), 2
+ * when scratch memory could not be allocated, 3 when a segment names a row, prefix, start,
+ * length or slot out of range (checked before anything is read). */
+int meshlm_extend_attention_amx_out(const void *q, int64_t q_stride, int64_t T, const void *k, const void *v,
+                                    int kv_dtype, int64_t tok_stride, int64_t num_slots, const int64_t *table,
+                                    int64_t table_rows, int64_t table_stride, const int64_t *rows,
+                                    const int64_t *prefix, const int64_t *starts, const int64_t *lens, int64_t S,
+                                    int H, int Hkv, int D, float scale, void *out, int64_t out_stride, int out_dtype,
+                                    int num_threads) {
 #ifndef HAVE_AMX
     (void)q, (void)q_stride, (void)T, (void)k, (void)v, (void)kv_dtype, (void)tok_stride, (void)num_slots, (void)table;
     (void)table_rows, (void)table_stride, (void)rows, (void)prefix, (void)starts, (void)lens, (void)S, (void)H;
     (void)Hkv, (void)D, (void)scale, (void)out, (void)out_stride, (void)num_threads, (void)out_dtype;
-    (void)new_k, (void)kn_stride, (void)new_v, (void)vn_stride, (void)loc;
     return 1;
 #else
     if (kv_dtype != 1 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D % 32 != 0 || D < 32 || D > 128 ||
-        (out_dtype != 0 && out_dtype != 1) || (new_k == NULL) != (new_v == NULL) || !amx_permitted())
+        (out_dtype != 0 && out_dtype != 1) || !amx_permitted())
         return 1;
     for (int64_t s = 0; s < S; s++)
         if (bad_segment(table, table_rows, table_stride, num_slots, T, rows[s], prefix[s], starts[s], lens[s]))
             return 3;
-    if (new_k != NULL)
-        for (int64_t t = 0; t < T; t++)
-            if (loc[t] < 0 || loc[t] >= num_slots) return 3;
     const int out_bf16 = out_dtype == 1;
-    if (new_k != NULL) {
-        const size_t row = (size_t)Hkv * D * sizeof(uint16_t);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t t = 0; t < T; t++) { /* slots are distinct per token */
-            memcpy((uint16_t *)k + loc[t] * tok_stride, (const uint16_t *)new_k + t * kn_stride, row);
-            memcpy((uint16_t *)v + loc[t] * tok_stride, (const uint16_t *)new_v + t * vn_stride, row);
-        }
-    }
     if (S == 0) return 0;
     const int G = H / Hkv, C = D / 32;
     /* packed tiles: segment s, KV head j at pack + (off[s] * Hkv + j * nkb(s)) * 4C tiles */
@@ -512,13 +515,13 @@ int meshlm_extend_attention_amx_store(const void *q, int64_t q_stride, int64_t T
 #endif
 }
 
-/* meshlm_extend_attention_amx_store with a float32 out and nothing to store (ExtendKernel's call). */
+/* meshlm_extend_attention_amx_out with a float32 out (ExtendKernel's call). */
 int meshlm_extend_attention_amx(const void *q, int64_t q_stride, int64_t T, const void *k, const void *v,
                                 int kv_dtype, int64_t tok_stride, int64_t num_slots, const int64_t *table,
                                 int64_t table_rows, int64_t table_stride, const int64_t *rows, const int64_t *prefix,
                                 const int64_t *starts, const int64_t *lens, int64_t S, int H, int Hkv, int D,
                                 float scale, float *out, int64_t out_stride, int num_threads) {
-    return meshlm_extend_attention_amx_store(q, q_stride, T, k, v, kv_dtype, tok_stride, num_slots, table, table_rows,
-                                             table_stride, rows, prefix, starts, lens, S, H, Hkv, D, scale, out,
-                                             out_stride, 0, NULL, 0, NULL, 0, NULL, num_threads);
+    return meshlm_extend_attention_amx_out(q, q_stride, T, k, v, kv_dtype, tok_stride, num_slots, table, table_rows,
+                                           table_stride, rows, prefix, starts, lens, S, H, Hkv, D, scale, out,
+                                           out_stride, 0, num_threads);
 }

@@ -1,7 +1,7 @@
 """Model families and loading paths: tiny random Qwen2 (attention bias, untied head) and Llama
-(untied head, sharded checkpoint) equal HF greedy decoding; SmolLM2 in bfloat16 equals HF's
-bfloat16 generate; a .gguf file works as the model path. The tiny models (engine and HF) run on
-MESHLM_TEST_DEVICE."""
+(untied head, sharded checkpoint) equal HF greedy decoding; SmolLM2 in bfloat16 follows HF's
+bfloat16 (teacher-forced, near ties allowed); a .gguf file works as the model path. The tiny
+models (engine and HF) run on MESHLM_TEST_DEVICE."""
 
 from __future__ import annotations
 
@@ -80,29 +80,38 @@ def test_tiny_random_model_matches_hf(kind: str, tmp_path: Path, tiny_tokenizer)
         assert_pools_whole(eng)
 
 
+# Two bf16 ulps of a logit of magnitude 16-32: SmolLM2's top two logits are often this close
+# (even equal) in bf16, so which one wins depends on the order of bf16 roundings (oneDNN's kernel
+# choice on the CPU at hand), not on the model being right.
+BF16_LOGIT_TOLERANCE = 0.25
+
+
 def test_bfloat16_matches_hf_bfloat16(smollm_path: str, smollm_tokenizer) -> None:
+    """Greedy bf16 decoding is HF's in bf16, teacher-forced: each token we chose is HF's argmax
+    over the same prefix (prompt + our earlier tokens) or within BF16_LOGIT_TOLERANCE of it.
+    Exact equality with HF's `generate` broke on a near tie (0.125 apart) on one CI machine."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.bfloat16).eval()
     prompts = [list(smollm_tokenizer(p).input_ids) for p in PROMPTS]
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=8,
-                do_sample=False,
-                pad_token_id=smollm_tokenizer.eos_token_id,
-            )
-        expected.append(gen[0, len(ids) :].tolist())
     with Engine(model_path=smollm_path, dtype="bfloat16", max_total_tokens=2048, load_progress=False) as eng:
         assert eng.scheduler.tp_worker.model_runner.dtype is torch.bfloat16
         assert next(eng.scheduler.tp_worker.model_runner.model.parameters()).dtype is torch.bfloat16
         sp = {"temperature": 0, "max_new_tokens": 8}
         res = eng.generate_batch_sync([{"input_ids": ids, "sampling_params": sp} for ids in prompts])
-        assert [r["output_ids"] for r in res] == expected
         assert_pools_whole(eng)
+    exact = 0
+    for ids, r in zip(prompts, res):
+        out = r["output_ids"]
+        assert len(out) == 8
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out])).logits[0].float()
+        for i, token in enumerate(out):
+            row = logits[len(ids) - 1 + i]  # the logits that predict out[i]
+            gap = float(row.max() - row[token])
+            assert gap <= BF16_LOGIT_TOLERANCE, (ids, out, i, token, int(row.argmax()), gap)
+            exact += gap == 0
+    assert exact >= 0.75 * 8 * len(prompts)  # near ties are the exception
 
 
 def test_gguf_file_as_model_path(smollm_path: str, smollm_engine: Engine) -> None:

@@ -9,7 +9,8 @@ memory, per row count.
 For each row count it times one pass over all the layer weights, fused as the model runs them
 (q/k/v and gate/up of a layer concatenated: 120 GEMMs, 424 MB as float32 for SmolLM2,
 far beyond the caches, as in a decode step) through each GEMV format (rows <= 16), through the
-block GEMM (when the weights are GGUF blocks) and through oneDNN, interleaved, and prints the
+block GEMM (when the weights are GGUF blocks; on an AVX-512 build also its AVX2 form,
+`blocks_avx2`) and through oneDNN, interleaved, and prints the
 medians and the ratios to oneDNN (below 1: faster than oneDNN). The crossovers are where
 kernels/gemv.py's MAX_ROWS and kernels/gemm_q.py's GEMV_MAX_ROWS_BESIDE_GEMM should sit.
 """
@@ -93,11 +94,13 @@ def main() -> None:
     blocks = [QPanelWeight.from_gemv(g) for g in gemvs["q4_1"]] if "q4_1" in gemvs else []
     mb = sum(w.numel() for w in weights) * 4 / 1e6
     print(f"threads={torch.get_num_threads()}, {len(weights)} fused layer weights of {path.name} ({mb:.0f} MB float32)")
-    paths = [*gemvs, *(["blocks"] if blocks else [])]
+    # on an AVX-512 build the block GEMM runs 512-bit; its AVX2 form is timed beside it
+    block_paths = (["blocks", "blocks_avx2"] if gemm.vector_bits == 512 else ["blocks"]) if blocks else []
+    paths = [*gemvs, *block_paths]
     print(f"{'rows':>4s} {'oneDNN ms':>10s}" + "".join(f" {f + ' ms':>9s} {f + '/oneDNN':>12s}" for f in paths))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-        here = [f for f in paths if f == "blocks" or rows <= GEMV_MAX_ROWS]
+        here = [f for f in paths if f in block_paths or rows <= GEMV_MAX_ROWS]
         times: dict[str, list[float]] = {"onednn": [], **{f: [] for f in here}}
         with torch.inference_mode():
             for _ in range(args.repeats + 1):  # the first pass warms up and is dropped
@@ -105,11 +108,11 @@ def main() -> None:
                 for p in onednn:
                     p(xs[p.in_features])
                 times["onednn"].append(time.perf_counter() - t0)
-                if "blocks" in here:
+                for path in block_paths:
                     t0 = time.perf_counter()
                     for b in blocks:
-                        gemm.gemm(xs[b.in_features], b, None)
-                    times["blocks"].append(time.perf_counter() - t0)
+                        gemm.gemm(xs[b.in_features], b, None, avx2=path == "blocks_avx2")
+                    times[path].append(time.perf_counter() - t0)
                 for fmt, built in gemvs.items():
                     if fmt not in here:
                         continue

@@ -1,8 +1,8 @@
 """The block GEMM (kernels/gemm_q.py): a dequantized GGUF weight re-laid into 16-column panels
 holds the same weights, and its product equals F.linear up to summation order for any row
 count (partial 6-row micro-panels, several 144-row tasks), any K that is a multiple of 32
-(a short last K block), any N (zero-padded panels); PackedLinear dispatches by row count
-(GEMV, block GEMM, oneDNN for prompt chunks)."""
+(a short last K block), any N (zero-padded panels); the AVX-512 form equals the AVX2 one bit
+for bit; PackedLinear dispatches by row count (GEMV, block GEMM, oneDNN for prompt chunks)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,23 @@ def test_gemm_equals_f_linear(ops, fmt: str, n: int, k: int, rows: int, bias: bo
     strided = torch.randn(rows, k + 7, generator=gen)[:, :k]  # rows further apart than K
     want = torch.nn.functional.linear(strided.double(), w.double()).float()
     torch.testing.assert_close(gemm.gemm(strided, panels, None), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", list(QTYPES))
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (40, 288), (96, 576), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 13, 64, 150, 300])
+def test_widest_kernel_equals_avx2_bit_for_bit(ops, fmt: str, n: int, k: int, rows: int) -> None:
+    """The AVX-512 kernel (two panels, 8-row micro-kernels) sums each output over the same K
+    blocks in the same order of FMAs as the AVX2 one: equal bits, bias or not, for odd panel
+    counts (40 = 3 panels: a lone last panel) and partial micro-panels and tasks."""
+    gemv, gemm = ops
+    w = gguf_weight(QTYPES[fmt], n, k, seed=rows + n)
+    panels = QPanelWeight.from_gemv(gemv.build(w))
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k + 3, generator=gen)[:, :k]
+    b = torch.randn(n, generator=gen)
+    for bias in (None, b):
+        assert torch.equal(gemm.gemm(x, panels, bias), gemm.gemm(x, panels, bias, avx2=True))
 
 
 def test_gemm_rejects_bad_shapes(ops) -> None:

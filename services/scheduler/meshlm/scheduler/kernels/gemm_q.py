@@ -7,7 +7,8 @@ Q8_0 blocks (kernels/gemv.py finds them back), so this GEMM reads them in that f
 1.125 byte a weight) and dequantizes each 256 x 16 tile once into L1 for all rows of the batch.
 `QPanelWeight.from_gemv` re-lays a row-major GemvWeight into the kernel's 16-column panels.
 The product equals the float32 model's up to summation order (the dequantized values are the
-checkpoint's weights bit for bit).
+checkpoint's weights bit for bit). On CPUs with AVX-512 the kernel runs on 512-bit registers
+(two panels at a time) and gives the same bits as its AVX2 form (`GemmQOps.gemm(avx2=True)`).
 """
 
 from __future__ import annotations
@@ -89,11 +90,15 @@ class GemmQOps:
             raise KernelUnavailable("the block GEMM needs AVX2 + FMA, which this build lacks")
         i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._fn = lib.meshlm_gemm_q
-        self._fn.argtypes = [c_int, p, i64, i64, p, p, p, p, p, i64, i64, c_int]
-        self._fn.restype = c_int
+        self._fn_avx2 = lib.meshlm_gemm_q_avx2
+        for fn in (self._fn, self._fn_avx2):
+            fn.argtypes = [c_int, p, i64, i64, p, p, p, p, p, i64, i64, c_int]
+            fn.restype = c_int
+        self.vector_bits: int = lib.meshlm_gemm_q_vector_bits()
 
-    def gemm(self, x: torch.Tensor, w: QPanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] float32 (rows contiguous) @ w^T (+ bias [N]) -> [M, N] float32."""
+    def gemm(self, x: torch.Tensor, w: QPanelWeight, bias: torch.Tensor | None, avx2: bool = False) -> torch.Tensor:
+        """x [M, K] float32 (rows contiguous) @ w^T (+ bias [N]) -> [M, N] float32, on the widest
+        kernel of this build (`avx2`: on the AVX2 one)."""
         m, k = x.shape
         n = w.out_features
         if x.dtype != torch.float32 or k != w.in_features or x.stride(1) != 1 or m < 1:
@@ -101,7 +106,7 @@ class GemmQOps:
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (n,)):
             raise ValueError(f"gemm bias must be a contiguous float32 [{n}]")
         out = torch.empty((m, n), dtype=torch.float32)
-        rc = self._fn(
+        rc = (self._fn_avx2 if avx2 else self._fn)(
             FORMATS[w.format],
             x.data_ptr(),
             x.stride(0),

@@ -1,10 +1,13 @@
 """Decode through CpuGraphRunner (one C call a step) gives the tokens and logprobs of the eager
 forward, which calls the same C kernels one by one from Python.
 
-bf16 models on CPU. Each decode step the plan takes is also run eagerly on the same batch, and the
-logits must be equal bit for bit (same kernels, same order): tiny Llama and Qwen2 (q/k/v bias)
-models through the AMX GEMM and, forced, the panel GEMM of CPUs without AMX; SmolLM2, whose
-converted GGUF blocks take the block GEMV for batches of 1-4 rows and the GEMM above. Batches of
+bf16 and float32 models on CPU. Each decode step the plan takes is also run eagerly on the same
+batch, and the logits must be equal bit for bit (same kernels, same order). bf16 (CPUs with
+AVX512-BF16): tiny Llama and Qwen2 (q/k/v bias) models through the AMX GEMM and, forced, the
+panel GEMM of CPUs without AMX; SmolLM2, whose converted GGUF blocks take the block GEMV for
+batches of 1-4 rows and the GEMM above. float32: the tiny models' dense weights through the
+float32 GEMV (batches of up to 4 rows; larger ones are oneDNN's, so eager); SmolLM2's blocks
+through the block GEMV up to 8 rows and the block GEMM above. Batches of
 1..11 requests shrink as requests finish, so every decode size from 11 to 1 runs; a plan of 4
 rows leaves 5..11 to the eager forward. A RoPE table that grows mid-run makes the plan rebuild
 over the new table. End to end, one request at a time, an engine with the plan gives the tokens
@@ -34,10 +37,8 @@ from .test_models import build_tiny
 BATCHES = [1, 3, 5, 11]
 LOGPROB_TOL = 1e-3
 
-pytestmark = [
-    pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the decode plan is the CPU's graph"),
-    pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the bf16 C GEMMs need AVX512-BF16"),
-]
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the decode plan is the CPU's graph")
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the bf16 C GEMMs need AVX512-BF16")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -99,9 +100,11 @@ class CheckedPlan:
         return got
 
 
-def _checked(path: str, golden: list[Golden], batches: list[int], max_rows: int | None = None) -> CheckedPlan:
+def _checked(
+    path: str, golden: list[Golden], batches: list[int], max_rows: int | None = None, dtype: str = "bfloat16"
+) -> CheckedPlan:
     """An engine whose decode steps go through CheckedPlan; every run ends with whole pools."""
-    flags = {"model_path": path, "dtype": "bfloat16", "load_progress": False, "max_total_tokens": 8192}
+    flags = {"model_path": path, "dtype": dtype, "load_progress": False, "max_total_tokens": 8192}
     with Engine(**flags) as eng:
         runner = eng.scheduler.tp_worker.model_runner
         plan = runner.graph_runner if max_rows is None else CpuGraphRunner(runner, max_rows)
@@ -112,7 +115,7 @@ def _checked(path: str, golden: list[Golden], batches: list[int], max_rows: int 
             before = plan.num_replays
             _run(eng, golden, n)
             longest = 8 + 3 * (n - 1)  # tokens; the first comes from the prefill
-            if max_rows is None or n <= max_rows:
+            if n <= plan.max_rows:
                 assert plan.num_replays - before >= longest - 1
             else:  # the steps of > max_rows requests ran eagerly, the rest in the plan
                 assert 0 < plan.num_replays - before < longest - 1
@@ -121,11 +124,13 @@ def _checked(path: str, golden: list[Golden], batches: list[int], max_rows: int 
     return checked
 
 
+@needs_bf16
 def test_plan_decode_matches_eager(tiny: tuple[str, list[Golden]]) -> None:
     checked = _checked(*tiny, BATCHES)
     assert set(range(1, 12)) <= set(checked.sizes)  # every size from 11 down to 1
 
 
+@needs_bf16
 def test_plan_engine_matches_eager_engine(tiny: tuple[str, list[Golden]]) -> None:
     """End to end, one request at a time (no batch timing involved): the same tokens and logprobs
     as an engine started with disable_cpu_graph."""
@@ -142,11 +147,13 @@ def test_plan_engine_matches_eager_engine(tiny: tuple[str, list[Golden]]) -> Non
     _assert_same(got, want)
 
 
+@needs_bf16
 def test_batches_past_max_rows_run_eagerly(tiny: tuple[str, list[Golden]]) -> None:
     checked = _checked(*tiny, [11], max_rows=4)
     assert checked.plan.max_rows == 4 and max(checked.sizes) == 4
 
 
+@needs_bf16
 @pytest.mark.skipif(not cpu_has_amx_bf16(cpu_flags()), reason="the panel GEMM is forced only where AMX would win")
 def test_panel_gemm_plan_matches_eager(tiny: tuple[str, list[Golden]], monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan on a CPU with AVX512-BF16 but no AMX: linears through the panel GEMM."""
@@ -160,6 +167,7 @@ def test_panel_gemm_plan_matches_eager(tiny: tuple[str, list[Golden]], monkeypat
     }
 
 
+@needs_bf16
 def test_rope_table_growth_rebuilds_the_plan(tiny: tuple[str, list[Golden]]) -> None:
     path, golden = tiny
     flags = {"model_path": path, "dtype": "bfloat16", "load_progress": False, "max_total_tokens": 8192}
@@ -176,6 +184,7 @@ def test_rope_table_growth_rebuilds_the_plan(tiny: tuple[str, list[Golden]]) -> 
         assert plan.num_replays > 0 and not checked.mismatches, checked.mismatches
 
 
+@needs_bf16
 def test_smollm2_plan_matches_eager(smollm_path: str, smollm_tokenizer) -> None:
     """The packaged model: batches of 1-4 rows through the block GEMV of its GGUF blocks."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
@@ -184,3 +193,34 @@ def test_smollm2_plan_matches_eager(smollm_path: str, smollm_tokenizer) -> None:
     kinds = {op.kind for op in checked.plan.plan.ops}
     assert dp.GEMV_BF16 in kinds and kinds & {dp.GEMM_AMX, dp.GEMM_PANEL}
     assert {1, 2, 3, 4, 5, 6} <= set(checked.sizes)
+
+
+def test_float32_plan_matches_eager(tiny: tuple[str, list[Golden]]) -> None:
+    """Dense float32 weights: the plan covers the float32 GEMV's 4 rows; 5..11 run eagerly."""
+    checked = _checked(*tiny, BATCHES, dtype="float32")
+    kinds = {op.kind for op in checked.plan.plan.ops}
+    assert dp.GEMV_F32 in kinds and checked.plan.max_rows == 4
+    assert set(checked.sizes) == {1, 2, 3, 4}
+
+
+def test_float32_plan_engine_matches_eager_engine(tiny: tuple[str, list[Golden]]) -> None:
+    path, golden = tiny
+    flags = {"model_path": path, "dtype": "float32", "load_progress": False, "max_total_tokens": 8192}
+    with Engine(disable_cpu_graph=True, **flags) as eager:
+        want = [_run(eager, [g], 1)[0] for g in golden[:4]]
+    with Engine(**flags) as eng:
+        plan = eng.scheduler.tp_worker.model_runner.graph_runner
+        assert isinstance(plan, CpuGraphRunner)
+        got = [_run(eng, [g], 1)[0] for g in golden[:4]]
+        assert plan.num_replays >= 4 * 7
+    _assert_same(got, want)
+
+
+def test_smollm2_float32_plan_matches_eager(smollm_path: str, smollm_tokenizer) -> None:
+    """SmolLM2's GGUF blocks in float32: the block GEMV for 1-8 rows, the block GEMM above."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    golden = [Golden(list(smollm_tokenizer(p).input_ids), [], []) for p in prompts]
+    checked = _checked(smollm_path, golden, [1, 11], dtype="float32")
+    kinds = {op.kind for op in checked.plan.plan.ops}
+    assert {dp.GEMV_Q4_1, dp.GEMM_Q} <= kinds
+    assert set(range(1, 12)) <= set(checked.sizes)

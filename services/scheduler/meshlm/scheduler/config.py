@@ -166,7 +166,7 @@ class SchedulerConfig:
             "disable_cuda_graph": "CUDA: run every decode forward eagerly (no graph capture)",
             "disable_cpu_graph": (
                 "CPU: call the decoder layers' C kernels from Python one by one instead of the "
-                "decode plan (one C call a step for a bf16 Llama-family model)"
+                "decode plan (one C call a step for a float32 or bf16 Llama-family model)"
             ),
             "fused_ops": (
                 "CPU model kernels: auto (linear weights prepacked for oneDNN; when a C compiler "

@@ -6,7 +6,9 @@ tensors an op points at must outlive the plan (DecodePlan keeps a reference to e
 given) and must not move: the plan is built over fixed buffers and replayed as is.
 
 Argument orders mirror the kernels' C signatures (kernels/csrc/cpu_ops.c, gemm_amx.c,
-gemm_bf16.c, gemv_bf16.c, attention/csrc/decode_attention.c) and the slots run_op reads.
+gemm_bf16.c, gemv_bf16.c, gemv.c, gemm_q.c, attention/csrc/decode_attention.c) and the slots
+run_op reads. The norm, RoPE, SiLU and attention ops run in the dtype of the buffers they are
+given (float32 or bfloat16); each linear op's kernel has one dtype.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshlm.scheduler.kernels.build import load_library
+from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
 
 if TYPE_CHECKING:
     from meshlm.scheduler.attention.cpu_kernel import DecodeKernel
     from meshlm.scheduler.kernels.cpu_ops import CpuOps
     from meshlm.scheduler.kernels.gemm_amx import AmxGemmBf16
     from meshlm.scheduler.kernels.gemm_bf16 import PanelGemmBf16
-    from meshlm.scheduler.kernels.gemv import GemvWeight
+    from meshlm.scheduler.kernels.gemm_q import GemmQOps, QPanelWeight
+    from meshlm.scheduler.kernels.gemv import GemvOps, GemvWeight
     from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16
     from meshlm.scheduler.kernels.packed_gemm import PackedWeightBf16
 
@@ -34,9 +38,20 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_plan.c"
 OP_ARGS = 26
 # kinds of csrc/decode_plan.c
 ADD_RMSNORM, ROPE_NEOX, SILU_MUL, GEMM_AMX, GEMM_PANEL, GEMV_BF16, DECODE_ATTN = range(7)
-KIND_NAMES = ("add_rmsnorm", "rope_neox", "silu_mul", "gemm_amx", "gemm_panel", "gemv_bf16", "decode_attention")
+GEMV_F32, GEMV_Q4_1, GEMV_Q8_0, GEMM_Q = range(7, 11)
+KIND_NAMES = (
+    "add_rmsnorm", "rope_neox", "silu_mul", "gemm_amx", "gemm_panel", "gemv_bf16", "decode_attention",
+    "gemv_f32", "gemv_q4_1", "gemv_q8_0", "gemm_q",
+)  # fmt: skip
 MAX_ROWS = 1 << 30  # "any batch"
-BF16 = 1  # dtype code of the kernels
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # dtype codes of the kernels
+
+
+def dtype_code(t: torch.Tensor) -> int:
+    """The kernels' code for t's dtype (float32 or bfloat16)."""
+    if t.dtype not in DTYPE_CODES:
+        raise ValueError(f"the decode plan's kernels take float32 or bfloat16, not {t.dtype}")
+    return DTYPE_CODES[t.dtype]
 
 
 class _COp(ctypes.Structure):
@@ -81,7 +96,7 @@ def add_rmsnorm_op(
 ) -> Op:
     """CpuOps.add_rmsnorm(x, residual, w, eps) into out (residual updated in place when given)."""
     r = residual if residual is not None else x
-    args = (_ptr(x), _ptr(r), _ptr(w), _ptr(out), BF16, x.shape[1], x.stride(0), r.stride(0), out.stride(0))
+    args = (_ptr(x), _ptr(r), _ptr(w), _ptr(out), dtype_code(x), x.shape[1], x.stride(0), r.stride(0), out.stride(0))
     return Op(ADD_RMSNORM, address(ops._norm), (*args, int(residual is not None)), eps)
 
 
@@ -96,13 +111,14 @@ def rope_op(
     sin: torch.Tensor,
 ) -> Op:
     """CpuOps.rope_neox over the rows of qkv at `positions` (int64)."""
-    args = (_ptr(qkv), BF16, qkv.stride(0), nq, nk, d, _ptr(positions), _ptr(cos), _ptr(sin), cos.shape[0])
+    code = dtype_code(qkv)
+    args = (_ptr(qkv), code, qkv.stride(0), nq, nk, d, _ptr(positions), _ptr(cos), _ptr(sin), cos.shape[0])
     return Op(ROPE_NEOX, address(ops._rope), args)
 
 
 def silu_mul_op(ops: CpuOps, gate_up: torch.Tensor, out: torch.Tensor) -> Op:
     """CpuOps.silu_mul(gate_up) into out."""
-    args = (_ptr(gate_up), _ptr(out), BF16, out.shape[1], gate_up.stride(0), out.stride(0))
+    args = (_ptr(gate_up), _ptr(out), dtype_code(gate_up), out.shape[1], gate_up.stride(0), out.stride(0))
     return Op(SILU_MUL, address(ops._silu), args)
 
 
@@ -145,6 +161,40 @@ def gemv_bf16_op(
     return Op(GEMV_BF16, address(k._fn), (*args, w.out_features, w.in_features), max_rows=max_rows)
 
 
+def gemv_op(
+    k: GemvOps, x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None, y: torch.Tensor, max_rows: int
+) -> Op:
+    """GemvOps.gemv(x, w, bias) into y (float32), for batches of 1..max_rows rows."""
+    n, kk = w.out_features, w.in_features
+    if w.format == "f32":
+        args: tuple[int, ...] = (_ptr(x), x.stride(0), _ptr(w.quants), _ptr(bias), _ptr(y), n, kk)
+        return Op(GEMV_F32, address(k._f32), args, max_rows=max_rows)
+    assert w.scales is not None
+    if w.format == "q4_1":
+        assert w.mins is not None
+        args = (_ptr(x), x.stride(0), _ptr(w.scales), _ptr(w.mins), _ptr(w.quants), _ptr(bias), _ptr(y), n, kk)
+        return Op(GEMV_Q4_1, address(k._q4), args, max_rows=max_rows)
+    args = (_ptr(x), x.stride(0), _ptr(w.scales), _ptr(w.quants), _ptr(bias), _ptr(y), n, kk)
+    return Op(GEMV_Q8_0, address(k._q8), args, max_rows=max_rows)
+
+
+def gemm_q_op(
+    k: GemmQOps,
+    x: torch.Tensor,
+    w: QPanelWeight,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    min_rows: int,
+    max_rows: int,
+) -> Op:
+    """GemmQOps.gemm(x, w, bias) into y (float32)."""
+    args = (
+        BLOCK_FORMATS[w.format], _ptr(x), x.stride(0), _ptr(w.quants), _ptr(w.scales), _ptr(w.mins),
+        _ptr(bias), _ptr(y), w.out_features, w.in_features,
+    )  # fmt: skip
+    return Op(GEMM_Q, address(k._fn), args, min_rows=min_rows, max_rows=max_rows)
+
+
 @dataclass(frozen=True)
 class AttnArgs:
     """The fixed operands of one layer's decode attention (the step's rows / lens / loc live in
@@ -160,15 +210,15 @@ class AttnArgs:
 
 
 def decode_attn_op(k: DecodeKernel, qkv: torch.Tensor, h: int, hkv: int, d: int, a: AttnArgs, out: torch.Tensor) -> Op:
-    """DecodeKernel(q, ..., new_kv=(k, v, loc), out_dtype=bf16) with q, k and v the heads of
-    the rows of qkv ([q | k | v], heads d apart), into out [B, h * d] bf16."""
+    """DecodeKernel(q, ..., new_kv=(k, v, loc), out_dtype=out.dtype) with q, k and v the heads
+    of the rows of qkv ([q | k | v], heads d apart), into out [B, h * d] (float32 or bf16)."""
     kv_code = 1 if a.k_buf.dtype == torch.bfloat16 else 0 if a.k_buf.dtype == torch.float32 else 2
     table = a.req_to_token
     args = (
-        _ptr(qkv), BF16, qkv.stride(0),
+        _ptr(qkv), dtype_code(qkv), qkv.stride(0),
         _ptr(a.k_buf), _ptr(a.v_buf), kv_code, a.k_buf.stride(0), a.k_buf.shape[0],
         _ptr(table), table.shape[0], table.stride(0), _ptr(a.rows), _ptr(a.lens),
-        h, hkv, d, _ptr(out), BF16, 0,  # slot 18: threads, given to the run
+        h, hkv, d, _ptr(out), dtype_code(out), 0,  # slot 18: threads, given to the run
         _ptr(qkv, h * d), qkv.stride(0), _ptr(qkv, (h + hkv) * d), qkv.stride(0), _ptr(a.loc), int(k.amx),
     )  # fmt: skip
     return Op(DECODE_ATTN, address(k._fn), args, a.scale)

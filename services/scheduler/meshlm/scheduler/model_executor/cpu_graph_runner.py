@@ -1,4 +1,4 @@
-"""CpuGraphRunner: a bf16 Llama-family decode forward on CPU as one C call (the CPU's CUDA graph).
+"""CpuGraphRunner: a Llama-family decode forward on CPU as one C call (the CPU's CUDA graph).
 
 On CPU every op of a decode layer is already one of our C kernels; what is left between them is
 Python: ~270 module calls, checks, allocations and ctypes conversions a step, 5-8 ms on two
@@ -21,9 +21,13 @@ o_proj -> h, norm(h + x -> x) -> normed, gate_up, SiLU*mul -> act, down_proj -> 
 embedding lookup, the final norm and the LM head stay in Python (once a step). The kernels and
 their order are those of the eager forward, so the logits are the same bit for bit.
 
-The plan is used only where every such call has a C kernel: a bf16 model on CPU with the fused
-ops, tp_size 1, the CPU attention backend over a bf16 pool, linears without a row-parallel bias,
-and batches up to the rows every linear's C kernels cover (max_rows). Anything else runs eagerly.
+The buffers have the model's dtype. The plan is used only where every such call has a C kernel:
+a float32 or bf16 model on CPU with the fused ops, tp_size 1, the CPU attention backend over a
+pool of the model's dtype, linears without a row-parallel bias, and batches up to the rows every
+linear's C kernels cover (max_rows). In bf16 those are the block GEMV, the AMX GEMM and the
+panel GEMM; in float32 the GEMVs and, for a GGUF checkpoint's blocks, the block GEMM up to
+GEMM_MAX_ROWS (256) rows (a dense float32 weight: the GEMV's 4 rows; oneDNN, which prompt chunks
+and larger batches use, is not C-callable). Anything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
 from meshlm.scheduler.kernels import decode_plan as dp
 from meshlm.scheduler.kernels.build import KernelUnavailable
+from meshlm.scheduler.kernels.gemm_q import GEMM_MAX_ROWS
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from meshlm.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -54,10 +59,18 @@ class Unsupported(Exception):
 def linear_ops(p: PackedLinear | None, x: torch.Tensor, y: torch.Tensor) -> tuple[list[dp.Op], int]:
     """The ops of y = p(x) by batch size, as PackedLinear.__call__ picks its kernel, and the
     largest batch they cover (0: none)."""
-    if p is None or p.dtype != torch.bfloat16:
-        raise Unsupported("a linear layer without bf16 packed weights")
+    if p is None or p.dtype != x.dtype:
+        raise Unsupported(f"a linear layer without {x.dtype} packed weights")
     ops: list[dp.Op] = []
     covered = 0
+    if x.dtype == torch.float32:
+        if p.gemv_ops is not None and p.small is not None and p.gemv_rows > 0:
+            ops.append(dp.gemv_op(p.gemv_ops, x, p.small, p.bias, y, p.gemv_rows))
+            covered = p.gemv_rows
+            if p.gemm_ops is not None and p.blocks is not None and covered < GEMM_MAX_ROWS:
+                ops.append(dp.gemm_q_op(p.gemm_ops, x, p.blocks, p.bias, y, covered + 1, GEMM_MAX_ROWS))
+                covered = GEMM_MAX_ROWS
+        return ops, covered
     if p.gemv_bf16 is not None and p.small is not None and p.gemv_rows > 0:
         ops.append(dp.gemv_bf16_op(p.gemv_bf16, x, p.small, p.bias_f32, y, p.gemv_rows))
         covered = p.gemv_rows
@@ -77,16 +90,16 @@ class CpuGraphRunner:
         model = runner.model
         if not isinstance(model, LlamaForCausalLM):
             raise Unsupported(f"{type(model).__name__} is not a Llama-family decoder")
-        if runner.dtype != torch.bfloat16 or runner.tp.size != 1:
-            raise Unsupported("only bf16 models with tp_size 1")
+        if runner.dtype not in dp.DTYPE_CODES or runner.tp.size != 1:
+            raise Unsupported("only float32 and bf16 models with tp_size 1")
         ops = runner.cpu_ops
         backend = runner.attn_backend
         if ops is None:
             raise Unsupported("the fused CPU ops are off")
         if not isinstance(backend, CpuAttnBackend):
             raise Unsupported(f"attention backend {type(backend).__name__}")
-        if runner.token_to_kv_pool.dtype != torch.bfloat16:
-            raise Unsupported(f"a {runner.token_to_kv_pool.dtype} KV pool")
+        if runner.token_to_kv_pool.dtype != runner.dtype:
+            raise Unsupported(f"a {runner.token_to_kv_pool.dtype} KV pool under a {runner.dtype} model")
         self.runner, self.model, self.ops = runner, model, ops
         self.lib = dp.load_decode_plan_library()
         cfg = runner.model_config
@@ -98,14 +111,14 @@ class CpuGraphRunner:
             first.self_attn.attn.head_dim,
         )
         m, hidden, inter = max_rows, cfg.hidden_size, first.mlp.down_proj.input_size_per_partition
-        bf = torch.bfloat16
-        self.x = torch.zeros(m, hidden, dtype=bf)
-        self.normed = torch.zeros(m, hidden, dtype=bf)
-        self.qkv = torch.zeros(m, (self.hq + 2 * self.hkv) * self.d, dtype=bf)
-        self.attn = torch.zeros(m, self.hq * self.d, dtype=bf)
-        self.h = torch.zeros(m, hidden, dtype=bf)
-        self.gate_up = torch.zeros(m, 2 * inter, dtype=bf)
-        self.act = torch.zeros(m, inter, dtype=bf)
+        dt = runner.dtype
+        self.x = torch.zeros(m, hidden, dtype=dt)
+        self.normed = torch.zeros(m, hidden, dtype=dt)
+        self.qkv = torch.zeros(m, (self.hq + 2 * self.hkv) * self.d, dtype=dt)
+        self.attn = torch.zeros(m, self.hq * self.d, dtype=dt)
+        self.h = torch.zeros(m, hidden, dtype=dt)
+        self.gate_up = torch.zeros(m, 2 * inter, dtype=dt)
+        self.act = torch.zeros(m, inter, dtype=dt)
         self.positions = torch.zeros(m, dtype=torch.int64)
         self.req_rows = torch.zeros(m, dtype=torch.int64)
         self.lens = torch.ones(m, dtype=torch.int64)

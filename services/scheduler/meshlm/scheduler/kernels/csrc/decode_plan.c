@@ -24,7 +24,11 @@ enum {
     OP_GEMM_AMX = 3,   /* kernels/csrc/gemm_amx.c */
     OP_GEMM_PANEL = 4, /* kernels/csrc/gemm_bf16.c */
     OP_GEMV_BF16 = 5,  /* kernels/csrc/gemv_bf16.c */
-    OP_DECODE_ATTN = 6 /* attention/csrc/decode_attention.c */
+    OP_DECODE_ATTN = 6, /* attention/csrc/decode_attention.c */
+    OP_GEMV_F32 = 7,    /* kernels/csrc/gemv.c */
+    OP_GEMV_Q4_1 = 8,
+    OP_GEMV_Q8_0 = 9,
+    OP_GEMM_Q = 10 /* kernels/csrc/gemm_q.c */
 };
 
 #define OP_ARGS 26
@@ -54,6 +58,14 @@ typedef int (*decode_attn_fn)(const void *, int, int64_t, const void *, const vo
                               int, float, void *, int, int, const void *, int64_t, const void *, int64_t,
                               const int64_t *, int);
 
+typedef int (*gemv_f32_fn)(const float *, int64_t, const float *, const float *, float *, int, int64_t, int, int);
+typedef int (*gemv_q4_1_fn)(const float *, int64_t, const float *, const float *, const uint8_t *, const float *,
+                            float *, int, int64_t, int, int);
+typedef int (*gemv_q8_0_fn)(const float *, int64_t, const float *, const int8_t *, const float *, float *, int,
+                            int64_t, int, int);
+typedef int (*gemm_q_fn)(int, const float *, int64_t, int64_t, const uint8_t *, const float *, const float *,
+                         const float *, float *, int64_t, int64_t, int);
+
 #define P(i) ((void *)(intptr_t)a[i])
 
 static int run_op(const meshlm_op *op, int64_t m, int nt) {
@@ -78,6 +90,14 @@ static int run_op(const meshlm_op *op, int64_t m, int nt) {
         return ((decode_attn_fn)op->fn)(P(0), (int)a[1], a[2], P(3), P(4), (int)a[5], a[6], a[7], P(8), a[9], a[10],
                                         P(11), P(12), m, (int)a[13], (int)a[14], (int)a[15], op->f, P(16),
                                         (int)a[17], nt, P(19), a[20], P(21), a[22], P(23), (int)a[24]);
+    case OP_GEMV_F32:
+        return ((gemv_f32_fn)op->fn)(P(0), a[1], P(2), P(3), P(4), (int)m, a[5], (int)a[6], nt);
+    case OP_GEMV_Q4_1:
+        return ((gemv_q4_1_fn)op->fn)(P(0), a[1], P(2), P(3), P(4), P(5), P(6), (int)m, a[7], (int)a[8], nt);
+    case OP_GEMV_Q8_0:
+        return ((gemv_q8_0_fn)op->fn)(P(0), a[1], P(2), P(3), P(4), P(5), (int)m, a[6], (int)a[7], nt);
+    case OP_GEMM_Q:
+        return ((gemm_q_fn)op->fn)((int)a[0], P(1), a[2], m, P(3), P(4), P(5), P(6), P(7), a[8], a[9], nt);
     default:
         return -1;
     }

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Where the ring's CPU goes: each service's CPU time per output token under streaming load.
+
+    python bench/ring_cpu.py                                   # c=64, 64 x 256 in / 128 out
+    python bench/ring_cpu.py --concurrency 16 --num-prompts 32
+    python bench/ring_cpu.py --py-spy /tmp/prof                # also flame graphs of the relays
+    python bench/ring_cpu.py --baseline-rev HEAD               # A/B: the services of a git revision
+
+Starts `meshlm launch` (plus --meshlm-args), drives it with bench_online.py's streaming client
+(tokens counted from usage) and reads each process's CPU seconds (utime + stime from /proc)
+before and after the run: the scheduler, tokenizer, detokenizer and gateway, and this client.
+Prints output tok/s and, per process, CPU seconds, the share of the run's wall time (1.0 = one
+core busy) and microseconds per output token. On a machine with as few cores as the scheduler
+has threads, every relay microsecond is taken from the scheduler: these figures say what the
+ring / engine ratio of bench_vs_vllm.py loses, and to whom.
+
+With --baseline-rev the services' Python code (services/) of that revision runs in a worktree
+under the work folder against the same kernels cache, alternating with this tree's, `--rounds`
+times each: the same sitting, as ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_online import Result, make_workload, run_level  # noqa: E402
+from bench_servers import HOST, Server, start_server, stop  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SERVICES = ("scheduler", "tokenizer", "detokenizer", "gateway")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, its threads included (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_pids(root: int) -> dict[str, list[int]]:
+    """The service processes under the launcher `root`, by service (from their command lines)."""
+    found: dict[str, list[int]] = {s: [] for s in SERVICES}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            status = (proc / "status").read_text()
+        except OSError:
+            continue
+        ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), -1)
+        if ppid != root:
+            continue
+        for s in SERVICES:
+            if f"meshlm.{s}".encode() in cmd:
+                found[s].append(int(proc.name))
+    return found
+
+
+async def drive(srv: Server, work: list[dict[str, Any]], c: int) -> Result:
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def stream(item: dict[str, Any]):
+            body = {
+                "model": srv.model,
+                "prompt": item["prompt"],
+                "max_tokens": item["max_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                seen = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data:") and line.strip() != "data: [DONE]":
+                        chunk = json.loads(line[5:])
+                        if chunk.get("choices"):
+                            seen += 1
+                            yield 1
+                        elif rest := (chunk.get("usage") or {}).get("completion_tokens", seen) - seen:
+                            yield rest
+
+        await run_level("warmup", stream, work[:2], 2)
+        return await run_level("ring", stream, work, c)
+
+
+def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    from meshlm.launch.launcher import free_port
+
+    hp, gp = free_port(HOST), free_port(HOST)
+    argv = [sys.executable, "-m", "meshlm.launch.cli", "launch", "--host", HOST, "--port", str(hp)]
+    argv += ["--grpc-port", str(gp), *args.meshlm_args.split()]
+    env = dict(os.environ)
+    if python_path:
+        env["PYTHONPATH"] = python_path
+    srv = start_server(label, argv, env, hp, work_dir / f"server-{label}.log", 600)
+    try:
+        work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
+        pids = service_pids(srv.proc.pid)
+        spies = []
+        if args.py_spy:
+            args.py_spy.mkdir(parents=True, exist_ok=True)
+            for s in ("tokenizer", "detokenizer", "gateway"):
+                for pid in pids[s]:
+                    out = args.py_spy / f"{label}-{s}-{pid}.svg"
+                    spies.append(
+                        subprocess.Popen(
+                            ["py-spy", "record", "-p", str(pid), "-o", str(out), "-r", "200", "--nonblocking"],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        )
+                    )
+        before = {s: sum(cpu_seconds(p) for p in ps) for s, ps in pids.items()}
+        me0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        res = asyncio.run(drive(srv, work, args.concurrency))
+        wall = time.perf_counter() - t0
+        me1 = resource.getrusage(resource.RUSAGE_SELF)
+        after = {s: sum(cpu_seconds(p) for p in ps) for s, ps in pids.items()}
+        for spy in spies:
+            spy.terminate()
+            spy.wait(30)
+    finally:
+        stop(srv.proc)
+    tokens = sum(s.output_tokens for s in res.samples)
+    cpu = {s: after[s] - before[s] for s in SERVICES}
+    cpu["client"] = (me1.ru_utime + me1.ru_stime) - (me0.ru_utime + me0.ru_stime)
+    return {"label": label, "tok_s": tokens / res.wall, "tokens": tokens, "wall": wall, "cpu": cpu}
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"\n[{r['label']}] {r['tok_s']:.1f} output tok/s ({r['tokens']} tokens in {r['wall']:.1f} s)")
+    print(f"{'process':12s} {'cpu s':>8s} {'cores':>6s} {'us/token':>9s}")
+    for name, sec in r["cpu"].items():
+        print(f"{name:12s} {sec:8.2f} {sec / r['wall']:6.2f} {1e6 * sec / r['tokens']:9.1f}")
+    relays = sum(r["cpu"][s] for s in ("tokenizer", "detokenizer", "gateway"))
+    print(f"{'relays':12s} {relays:8.2f} {relays / r['wall']:6.2f} {1e6 * relays / r['tokens']:9.1f}")
+
+
+def worktree(rev: str, work_dir: Path) -> Path:
+    """A checkout of `rev` with its gRPC stubs generated (they are not committed)."""
+    path = work_dir / f"rev-{rev.replace('/', '_')}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev], check=True)
+        subprocess.run([sys.executable, str(path / "scripts" / "gen_protos.py")], check=True)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256, help="prompt words (random workload)")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--meshlm-args", default="", help="extra `meshlm launch` flags, one string")
+    ap.add_argument("--py-spy", type=Path, default=None, help="record relay flame graphs (py-spy) into this folder")
+    ap.add_argument("--baseline-rev", default=None, help="also run the services of this git revision, alternating")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each side with --baseline-rev (default 1)")
+    args = ap.parse_args()
+    work_dir = Path(tempfile.mkdtemp(prefix="ring-cpu-"))
+    if args.baseline_rev is None:
+        report(one_run("now", None, args, work_dir))
+        return
+    tree = worktree(args.baseline_rev, work_dir)
+    base_path = os.pathsep.join(str(p) for p in sorted((tree / "services").iterdir()) if p.is_dir())
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "now": []}
+    try:
+        for _ in range(args.rounds):
+            for label, path in (("base", base_path), ("now", None)):
+                r = one_run(label, path, args, work_dir)
+                report(r)
+                runs[label].append(r)
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+    print(f"\nnow / base ({args.baseline_rev}), medians over {args.rounds} round(s):")
+    med = {k: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for k, v in runs.items()}
+    print(f"{'output tok/s':16s} {med['now']['tok_s'] / med['base']['tok_s']:6.3f}")
+    for name in (*SERVICES, "client"):
+        a = med["base"]["cpu"][name] / med["base"]["tokens"]
+        b = med["now"]["cpu"][name] / med["now"]["tokens"]
+        print(f"{name + ' us/token':16s} {1e6 * a:8.1f} -> {1e6 * b:8.1f}  ({b / a if a else float('nan'):.3f}x)")
+
+
+if __name__ == "__main__":
+    main()

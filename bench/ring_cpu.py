@@ -3,7 +3,7 @@
 
     python bench/ring_cpu.py                                   # c=64, 64 x 256 in / 128 out
     python bench/ring_cpu.py --concurrency 16 --num-prompts 32
-    python bench/ring_cpu.py --py-spy /tmp/prof                # also flame graphs of the relays
+    python bench/ring_cpu.py --py-spy /tmp/prof                # also each service's stacks (py-spy, raw)
     python bench/ring_cpu.py --baseline-rev HEAD               # A/B: the services of a git revision
 
 Starts `meshlm launch` (plus --meshlm-args), drives it with bench_online.py's streaming client
@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_online import Result, make_workload, run_level  # noqa: E402
-from bench_servers import HOST, Server, start_server, stop  # noqa: E402
+from bench_servers import HOST, Server, start_server, stop, wait_idle  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("scheduler", "tokenizer", "detokenizer", "gateway")
@@ -112,17 +113,30 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
         env["PYTHONPATH"] = python_path
     srv = start_server(label, argv, env, hp, work_dir / f"server-{label}.log", 600)
     try:
+        wait_idle(srv)  # the KV pool is faulted in on a background thread after /health
         work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
         pids = service_pids(srv.proc.pid)
         spies = []
         if args.py_spy:
             args.py_spy.mkdir(parents=True, exist_ok=True)
-            for s in ("tokenizer", "detokenizer", "gateway"):
+            for s in SERVICES:
                 for pid in pids[s]:
-                    out = args.py_spy / f"{label}-{s}-{pid}.svg"
+                    out = args.py_spy / f"{label}-{s}-{pid}.txt"  # collapsed stacks (flamegraph.pl's input)
                     spies.append(
                         subprocess.Popen(
-                            ["py-spy", "record", "-p", str(pid), "-o", str(out), "-r", "200", "--nonblocking"],
+                            [
+                                "py-spy",
+                                "record",
+                                "-p",
+                                str(pid),
+                                "-o",
+                                str(out),
+                                "-f",
+                                "raw",
+                                "-r",
+                                "100",
+                                "--nonblocking",
+                            ],
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL,
                         )
@@ -134,8 +148,8 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
         wall = time.perf_counter() - t0
         me1 = resource.getrusage(resource.RUSAGE_SELF)
         after = {s: sum(cpu_seconds(p) for p in ps) for s, ps in pids.items()}
-        for spy in spies:
-            spy.terminate()
+        for spy in spies:  # py-spy writes its output on SIGINT
+            spy.send_signal(signal.SIGINT)
             spy.wait(30)
     finally:
         stop(srv.proc)
@@ -171,7 +185,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--meshlm-args", default="", help="extra `meshlm launch` flags, one string")
-    ap.add_argument("--py-spy", type=Path, default=None, help="record relay flame graphs (py-spy) into this folder")
+    ap.add_argument(
+        "--py-spy", type=Path, default=None, help="record each service's stacks (py-spy, collapsed) into this folder"
+    )
     ap.add_argument("--baseline-rev", default=None, help="also run the services of this git revision, alternating")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each side with --baseline-rev (default 1)")
     args = ap.parse_args()

@@ -64,6 +64,7 @@ def test_graph_decode_matches_eager(tiny: tuple[str, list[Golden]]) -> None:
     path, golden = tiny
     flags = {"model_path": path, "device": TEST_DEVICE, "dtype": "float32", "load_progress": False}
     flags["max_total_tokens"] = 8192
+    flags["disable_cpu_graph"] = True  # on CPU the float32 decode plan would take these steps
     with Engine(disable_cuda_graph=True, **flags) as eager:
         assert eager.scheduler.tp_worker.model_runner.graph_runner is None
         want = {n: _run(eager, golden, n) for n in BATCHES}

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_online import Result, engine_stream, make_workload, pct, run_level  # noqa: E402
+from bench_online import Result, StreamFn, engine_stream, make_workload, pct, run_level  # noqa: E402
 from bench_servers import (
     Server,
     log_tail,
@@ -172,35 +172,42 @@ def summarize(res: Result, client: str) -> Row:
     }
 
 
+def usage_stream(client: httpx.AsyncClient, srv: Server) -> StreamFn:
+    """bench_online.py's streaming /v1/completions client, counting tokens from usage (its own
+    parser counts text chunks, and a token whose text is still held back by the detokenizer
+    comes without one)."""
+
+    async def stream(item: dict[str, Any]) -> AsyncIterator[int]:
+        body = {
+            "model": srv.model,
+            "prompt": item["prompt"],
+            "max_tokens": item["max_tokens"],
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line.strip() != "data: [DONE]":
+                    chunk = json.loads(line[5:])
+                    if chunk.get("choices"):
+                        seen += 1
+                        yield 1
+                    elif rest := (chunk.get("usage") or {}).get("completion_tokens", seen) - seen:
+                        yield rest  # tokens that came without text, counted at the end
+
+    return stream
+
+
 def online_bench(srv: Server, work: list[dict[str, Any]], c: int) -> Row:
-    """bench_online.py's client, counting tokens from usage (its own parser counts text chunks,
-    and a token whose text is still held back by the detokenizer comes without one)."""
+    """usage_stream at concurrency c after a warm-up of two requests."""
 
     async def go() -> Result:
         async with httpx.AsyncClient(timeout=600) as client:
-
-            async def stream(item: dict[str, Any]) -> AsyncIterator[int]:
-                body = {
-                    "model": srv.model,
-                    "prompt": item["prompt"],
-                    "max_tokens": item["max_tokens"],
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    seen = 0
-                    async for line in r.aiter_lines():
-                        if line.startswith("data:") and line.strip() != "data: [DONE]":
-                            chunk = json.loads(line[5:])
-                            if chunk.get("choices"):
-                                seen += 1
-                                yield 1
-                            elif rest := (chunk.get("usage") or {}).get("completion_tokens", seen) - seen:
-                                yield rest  # tokens that came without text, counted at the end
-
+            stream = usage_stream(client, srv)
             await run_level("warmup", stream, work[:2], 2)
             return await run_level("ring", stream, work, c)
 

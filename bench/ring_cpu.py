@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import resource
 import signal
@@ -37,6 +36,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_clients import usage_stream  # noqa: E402
 from bench_online import Result, make_workload, run_level  # noqa: E402
 from bench_servers import HOST, Server, start_server, stop, wait_idle  # noqa: E402
 
@@ -75,29 +75,7 @@ def service_pids(root: int) -> dict[str, list[int]]:
 
 async def drive(srv: Server, work: list[dict[str, Any]], c: int) -> Result:
     async with httpx.AsyncClient(timeout=600) as client:
-
-        async def stream(item: dict[str, Any]):
-            body = {
-                "model": srv.model,
-                "prompt": item["prompt"],
-                "max_tokens": item["max_tokens"],
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                seen = 0
-                async for line in r.aiter_lines():
-                    if line.startswith("data:") and line.strip() != "data: [DONE]":
-                        chunk = json.loads(line[5:])
-                        if chunk.get("choices"):
-                            seen += 1
-                            yield 1
-                        elif rest := (chunk.get("usage") or {}).get("completion_tokens", seen) - seen:
-                            yield rest
-
+        stream = usage_stream(client, srv)
         await run_level("warmup", stream, work[:2], 2)
         return await run_level("ring", stream, work, c)
 

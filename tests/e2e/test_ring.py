@@ -1,5 +1,6 @@
-"""The ring end to end: golden tokens through REST, the public gRPC API, cancellation freeing
-KV, and one trace per request across all four services."""
+"""The ring end to end: golden tokens through REST, the public gRPC API (Generate, and
+GenerateStream carrying a batch of requests with one engine step's responses per message),
+cancellation freeing KV, and one trace per request across all four services."""
 
 from __future__ import annotations
 
@@ -51,6 +52,42 @@ def test_grpc_generate_streams_tokens(system: System) -> None:
     assert responses[-1].meta_info.finish_reason.type in (common_pb2.FINISH_TYPE_STOP, common_pb2.FINISH_TYPE_LENGTH)
     assert sum(len(r.output_ids) for r in responses) == responses[-1].meta_info.completion_tokens
     assert "1" in "".join(r.text for r in responses)
+
+
+def test_grpc_generate_stream_batches_a_step_of_many_requests(system: System) -> None:
+    """Eight greedy requests over one GenerateStream call: each stream's text equals its own
+    Generate call's, each ends once with code 0, and the responses of one engine step travel
+    together (fewer messages than responses; messages carrying several streams)."""
+    prompts = [f"Count from {i} to {i + 20}:" for i in range(8)]
+
+    def request(p: str) -> tokenizer_pb2.GenerateRequest:
+        sp = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        return tokenizer_pb2.GenerateRequest(prompts=[tokenizer_pb2.Prompt(text=p)], sampling_params=sp, stream=True)
+
+    async def run() -> tuple[list[str], list[tokenizer_pb2.GenerateStreamResponse]]:
+        async with grpc.aio.insecure_channel(system.grpc_address) as ch:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(ch)
+            alone = []
+            for p in prompts:
+                alone.append("".join([r.text async for r in stub.Generate(request(p), timeout=120)]))
+
+            async def requests():
+                for sid, p in enumerate(prompts, 1):
+                    yield tokenizer_pb2.GenerateStreamRequest(stream_id=sid, generate=request(p))
+
+            messages = [m async for m in stub.GenerateStream(requests(), timeout=120)]
+            return alone, messages
+
+    alone, messages = asyncio.run(run())
+    items = [i for m in messages for i in m.items]
+    texts = ["".join(i.response.text for i in items if i.stream_id == sid) for sid in range(1, 9)]
+    assert texts == alone
+    ends = [(i.stream_id, i.end.code) for i in items if i.HasField("end")]
+    assert sorted(ends) == [(sid, 0) for sid in range(1, 9)]
+    responses = sum(i.HasField("response") for i in items)
+    assert len(messages) < responses / 2
+    assert sum(len({i.stream_id for i in m.items}) >= 4 for m in messages) >= 10
+    wait_idle(system)
 
 
 def test_client_disconnect_frees_kv_within_2s(system: System) -> None:

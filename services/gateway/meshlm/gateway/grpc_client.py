@@ -8,6 +8,9 @@ per RPC (`embed`, `tokenize`, ..., `generate`, `abort_everywhere`).
   with --tls-* flags they use TLS (mTLS with a CA), each endpoint's certificate checked against the
   name it was resolved from; with a token (the gateway's internal token or API key) every call
   carries `authorization: Bearer <token>`.
+* Generate calls share one TokenizerService.GenerateStream call per endpoint (generate_mux.py:
+  one gRPC message per engine step for all requests instead of one per response); against a
+  tokenizer without it (UNIMPLEMENTED: an older release) each is a Generate call of its own.
 * A call that fails with UNAVAILABLE before any output is retried on another endpoint; so is a
   Generate refused with RESOURCE_EXHAUSTED (another replica may have room).
 * gRPC status -> ServiceError (meshlm.common.errors), which the app renders as the HTTP error.
@@ -23,7 +26,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,6 +36,7 @@ from meshlm.common.channels import Dialer
 from meshlm.common.errors import ServiceError
 from meshlm.common.telemetry import current_traceparent
 from meshlm.common.tls import TlsConfig
+from meshlm.gateway.generate_mux import GenerateMux
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -84,9 +88,23 @@ class _Endpoint:
         self.healthy = True  # optimistic until a check says otherwise
         self.checked_at = 0.0
         self.checking: asyncio.Task | None = None
+        self.mux = GenerateMux(self.stub, address)
+        self.mux_supported = True  # until it answers UNIMPLEMENTED (probed again after a restart)
 
 
-class GenerateStream:
+class GenerateStream(Protocol):
+    """A started Generate whose first response (if any) has arrived: a CallStream (its own
+    Generate call) or a generate_mux.MuxStream (one stream of a GenerateStream call)."""
+
+    first: tokenizer_pb2.GenerateResponse | None
+    address: str
+
+    def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateResponse]: ...
+
+    def cancel(self) -> None: ...
+
+
+class CallStream:
     """A Generate call whose first response (if any) has already arrived."""
 
     def __init__(self, call: Any, first: Any, address: str) -> None:
@@ -149,6 +167,7 @@ class TokenizerPool:
             kept = {a: self._endpoints.get(a) or _Endpoint(a, self.dialer) for a in self._resolved}
             for address, ep in self._endpoints.items():
                 if address not in kept:
+                    ep.mux.close()
                     loop.create_task(ep.channel.close(grace=5.0))
             self._endpoints = kept
 
@@ -173,6 +192,8 @@ class TokenizerPool:
             ok = False
         if ok != ep.healthy:
             logger.warning("tokenizer %s is %s", ep.address, "healthy" if ok else "unhealthy")
+            if ok:
+                ep.mux_supported = True  # it may be a newer release now
         ep.healthy, ep.checked_at = ok, time.monotonic()
         return ok
 
@@ -240,6 +261,8 @@ class TokenizerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for ep in self._endpoints.values():
+            ep.mux.close()
         if self._loop is asyncio.get_running_loop():
             await asyncio.gather(*(ep.channel.close() for ep in self._endpoints.values()), return_exceptions=True)
         self._endpoints = {}
@@ -335,21 +358,40 @@ class TokenizerPool:
         tried: list[str] = []
         while True:
             ep = self.pick(tried, key)
-            call = ep.stub.Generate(request, timeout=max(deadline - time.monotonic(), 0.001))
             try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as e:
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                return await self._generate_on(ep, request, deadline)
+            except ServiceError as e:
+                if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    if e.code == grpc.StatusCode.UNAVAILABLE:
                         self._failed(ep)
                     tried.append(ep.address)
                     if len(tried) < len(self._endpoints) and time.monotonic() < deadline:
                         continue
-                raise to_service_error(e, ep.address) from None
-            except BaseException:
-                call.cancel()
                 raise
-            return GenerateStream(call, None if first is grpc.aio.EOF else first, ep.address)
+
+    async def _generate_on(
+        self, ep: _Endpoint, request: tokenizer_pb2.GenerateRequest, deadline: float
+    ) -> GenerateStream:
+        """Generate on one endpoint: over its GenerateStream call, else as a call of its own."""
+        if ep.mux_supported:
+            try:
+                return await ep.mux.generate(request, deadline)
+            except ServiceError as e:
+                if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                ep.mux_supported = False
+                logger.warning(
+                    "tokenizer %s has no GenerateStream (an older release): a Generate call each", ep.address
+                )
+        call = ep.stub.Generate(request, timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise to_service_error(e, ep.address) from None
+        except BaseException:
+            call.cancel()
+            raise
+        return CallStream(call, None if first is grpc.aio.EOF else first, ep.address)
 
 
 class ClientDisconnected(Exception):

@@ -27,6 +27,7 @@ from meshlm.common.log import setup_logging
 from meshlm.common.metrics import Metrics
 from meshlm.common.telemetry import setup_telemetry, shutdown_telemetry
 from meshlm.tokenizer.config import TokenizerConfig
+from meshlm.tokenizer.generate_stream import GenerateStreamCall
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.manager import TokenizerManager
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -76,6 +77,19 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         except Exception as e:
             logger.exception("internal error in Generate")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.GenerateStreamResponse]:
+        await context.send_initial_metadata(())  # the caller waits for it before its first write
+        call = GenerateStreamCall(self.manager, self.manager.config.max_stream_backlog_bytes)
+        try:
+            async for response in call.run(request_iterator):
+                yield response
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
 
     async def Embed(
         self, request: tokenizer_pb2.EmbedRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,129 @@
+"""GenerateStream end to end between the gateway's client (meshlm.gateway.generate_mux through
+TokenizerPool) and the REAL tokenizer service, with the real detokenizer and a scripted scheduler
+(tokenizer_ring.py): concurrent requests share one call and each gets exactly its own output; bad
+input fails its request before any output; cancelling a stream, or its deadline passing, aborts
+its request at the scheduler; a tokenizer without GenerateStream (an older release) is served by
+a Generate call per request; a tokenizer that goes away fails its streams with UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from meshlm.common.errors import ServiceError
+from meshlm.gateway.generate_mux import MuxStream
+from meshlm.gateway.grpc_client import CallStream, TokenizerPool
+from meshlm.tokenizer import service
+from meshlm.tokenizer.hf_tokenizer import HFTokenizer
+from meshlm.v1 import common_pb2, tokenizer_pb2
+
+from .tokenizer_ring import Ring, ring, ring_ready, text_prompt, wait_for
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_path: str) -> HFTokenizer:
+    return HFTokenizer(smollm_path)
+
+
+def request(rid: str, n: int, **kw) -> tokenizer_pb2.GenerateRequest:
+    sp = common_pb2.SamplingParams(max_new_tokens=n, **kw)
+    return tokenizer_pb2.GenerateRequest(rid=rid, prompts=[text_prompt("Hi")], stream=True, sampling_params=sp)
+
+
+async def text_of(stream) -> str:
+    return "".join([r.text async for r in stream])
+
+
+@contextlib.asynccontextmanager
+async def pooled(tok: HFTokenizer, long_outputs: bool = False) -> AsyncIterator[tuple[Ring, TokenizerPool]]:
+    """A ready ring and the gateway's TokenizerPool on its tokenizer; `long_outputs`: the
+    scheduler emits 50x its script at 50 tokens/s (requests that outlive the test's actions)."""
+    async with ring(tok) as r:
+        await ring_ready(r)
+        if long_outputs:
+            r.schedulers[0].tokens = r.tokens * 50
+            r.schedulers[0].step_s = 0.02
+        pool = TokenizerPool([f"127.0.0.1:{r.server.port}"])
+        try:
+            yield r, pool
+        finally:
+            await pool.close()
+
+
+def test_concurrent_requests_share_one_call_and_each_gets_its_own_output(tok) -> None:
+    async def run() -> None:
+        async with pooled(tok) as (r, pool):
+            r.schedulers[0].step_s = 0.01
+            lengths = [3, 5, 7, 4, 6, 2]
+            streams = await asyncio.gather(
+                *(pool.generate(request(f"r{i}", n), timeout=30) for i, n in enumerate(lengths))
+            )
+            assert all(isinstance(s, MuxStream) for s in streams)
+            calls = {id(s._call) for s in streams}
+            assert len(calls) == 1  # one GenerateStream call carries them all
+            texts = await asyncio.gather(*(text_of(s) for s in streams))
+            assert texts == [tok.decode(r.tokens[:n]) for n in lengths]
+            # the bad one fails on its own, before output, as a Generate call would
+            with pytest.raises(ServiceError) as exc:
+                await pool.generate(request("bad", 4, temperature=-1.0), timeout=30)
+            assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in exc.value.message
+            again = await pool.generate(request("after", 3), timeout=30)
+            assert await text_of(again) == tok.decode(r.tokens[:3])
+
+    asyncio.run(run())
+
+
+def test_cancel_and_deadline_abort_the_request_at_the_scheduler(tok) -> None:
+    async def run() -> None:
+        async with pooled(tok, long_outputs=True) as (r, pool):
+            fake = r.schedulers[0]
+            cancelled = await pool.generate(request("cancelled", 200), timeout=30)
+            other = await pool.generate(request("other", 6), timeout=30)
+            cancelled.cancel()
+            await wait_for(lambda: any(a.rid == "cancelled" for a in fake.seen.aborts))
+            assert [x async for x in cancelled] == []  # a cancelled stream just ends
+            assert await text_of(other) == tok.decode(fake.tokens[:6])
+
+            slow = await pool.generate(request("late", 200), timeout=0.5)
+            with pytest.raises(ServiceError) as exc:
+                await text_of(slow)
+            assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await wait_for(lambda: any(a.rid == "late" for a in fake.seen.aborts))
+            await wait_for(lambda: not r.manager.states)
+
+    asyncio.run(run())
+
+
+def test_a_tokenizer_without_generate_stream_gets_a_generate_call_each(tok, monkeypatch) -> None:
+    async def unimplemented(self, request_iterator, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield  # pragma: no cover (an async generator, as the real handler)
+
+    monkeypatch.setattr(service.TokenizerServicer, "GenerateStream", unimplemented)
+
+    async def run() -> None:
+        async with pooled(tok) as (r, pool):
+            streams = [await pool.generate(request(f"old{i}", 4), timeout=30) for i in range(2)]
+            assert all(isinstance(s, CallStream) for s in streams)
+            assert not pool.endpoints()[0].mux_supported
+            assert [await text_of(s) for s in streams] == [tok.decode(r.tokens[:4])] * 2
+
+    asyncio.run(run())
+
+
+def test_a_tokenizer_that_goes_away_fails_its_streams_with_unavailable(tok) -> None:
+    async def run() -> None:
+        async with pooled(tok, long_outputs=True) as (r, pool):
+            streams = [await pool.generate(request(f"gone{i}", 200), timeout=30) for i in range(3)]
+            await r.server.stop(0)
+            for s in streams:
+                with pytest.raises(ServiceError) as exc:
+                    await text_of(s)
+                assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+                assert f"127.0.0.1:{r.server.port}" in exc.value.message
+
+    asyncio.run(run())

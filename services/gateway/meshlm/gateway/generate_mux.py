@@ -40,11 +40,12 @@ MAX_BACKLOG_BYTES = 4 << 20
 
 
 def status_error(code: grpc.StatusCode, message: str, address: str) -> ServiceError:
-    """A ServiceError as grpc_client.to_service_error makes it (the address on UNAVAILABLE and
-    DEADLINE_EXCEEDED)."""
+    """The ServiceError of a tokenizer call's status: the message (else the code's name), the
+    tokenizer's address in front on UNAVAILABLE and DEADLINE_EXCEEDED."""
+    message = message or code.name
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and address:
         message = f"tokenizer {address}: {message}"
-    return ServiceError(code, message or code.name)
+    return ServiceError(code, message)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

@@ -36,7 +36,7 @@ from meshlm.common.channels import Dialer
 from meshlm.common.errors import ServiceError
 from meshlm.common.telemetry import current_traceparent
 from meshlm.common.tls import TlsConfig
-from meshlm.gateway.generate_mux import GenerateMux
+from meshlm.gateway.generate_mux import GenerateMux, status_error
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,7 @@ _SAMPLING_FIELDS = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
 
 
 def to_service_error(e: grpc.aio.AioRpcError, address: str = "") -> ServiceError:
-    code = e.code()
-    details = e.details() or code.name
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and address:
-        details = f"tokenizer {address}: {details}"
-    return ServiceError(code, details)
+    return status_error(e.code(), e.details() or "", address)
 
 
 def sampling_params(values: dict[str, Any]) -> common_pb2.SamplingParams:

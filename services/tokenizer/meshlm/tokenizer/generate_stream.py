@@ -31,7 +31,7 @@ from typing import Protocol
 import grpc
 
 from meshlm.common.errors import ServiceError
-from meshlm.common.input_limits import InvalidArgument
+from meshlm.tokenizer.grpc_status import status_of
 from meshlm.v1 import tokenizer_pb2
 
 logger = logging.getLogger(__name__)
@@ -117,15 +117,10 @@ class GenerateStreamCall:
                 async for response in outputs:
                     self._put(tokenizer_pb2.GenerateStreamItem(stream_id=stream_id, response=response))
             self._put(end_item(stream_id, grpc.StatusCode.OK))
-        except ServiceError as e:
-            self._put(end_item(stream_id, e.code, e.message))
-        except InvalidArgument as e:
-            self._put(end_item(stream_id, grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except asyncio.CancelledError:
             pass  # cancelled by the caller or the call's end: nothing more for this id
         except Exception as e:
-            logger.exception("internal error in GenerateStream")
-            self._put(end_item(stream_id, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+            self._put(end_item(stream_id, *status_of(e, "GenerateStream")))
         finally:
             self._tasks.pop(stream_id, None)
             self._wake.set()

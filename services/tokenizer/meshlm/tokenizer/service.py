@@ -6,7 +6,8 @@ in its constructor, and returns them with the health-tracking task as a `Running
 
 Errors leave as `context.abort(code, message)` with the code of meshlm.common.errors; the
 message names the field and the limit. A rule's InvalidArgument (meshlm.common.input_limits) is
-INVALID_ARGUMENT wherever it is raised; other unexpected exceptions become INTERNAL (logged).
+INVALID_ARGUMENT wherever it is raised; other unexpected exceptions become INTERNAL (logged):
+grpc_status.status_of, which GenerateStream's streams share.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import grpc
 
 from meshlm.common.errors import ServiceError
 from meshlm.common.grpc_server import GrpcServer
-from meshlm.common.input_limits import InvalidArgument
 from meshlm.common.log import setup_logging
 from meshlm.common.metrics import Metrics
 from meshlm.common.telemetry import setup_telemetry, shutdown_telemetry
 from meshlm.tokenizer.config import TokenizerConfig
 from meshlm.tokenizer.generate_stream import GenerateStreamCall
+from meshlm.tokenizer.grpc_status import status_of
 from meshlm.tokenizer.hf_tokenizer import HFTokenizer
 from meshlm.tokenizer.manager import TokenizerManager
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -41,15 +42,10 @@ T = TypeVar("T")
 async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return await fn()
-    except ServiceError as e:
-        await context.abort(e.code, e.message)
-    except InvalidArgument as e:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except (asyncio.CancelledError, grpc.aio.AbortError):
         raise
     except Exception as e:
-        logger.exception("internal error")
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        await context.abort(*status_of(e, "a unary TokenizerService call"))
     raise AssertionError("unreachable")
 
 
@@ -68,15 +64,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             async with contextlib.aclosing(self.manager.generate(request)) as outputs:
                 async for response in outputs:
                     yield response
-        except ServiceError as e:
-            await context.abort(e.code, e.message)
-        except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as e:
-            logger.exception("internal error in Generate")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            await context.abort(*status_of(e, "Generate"))
 
     async def GenerateStream(
         self,

@@ -7,7 +7,7 @@ grpc.aio on each side); over GenerateStream the tokenizer sends one engine step'
 all requests as one message, and this module hands each to its request's MuxStream.
 
 Invariants:
-- A MuxStream behaves as grpc_client.GenerateStream does for a Generate call: `first` is its
+- A MuxStream behaves as grpc_client.CallStream does for a Generate call: `first` is its
   first response (None when it ended without one), iterating yields the responses in order and
   ends at its StreamEnd (OK) or raises ServiceError with the StreamEnd's status, and cancel()
   (idempotent) cancels it at the tokenizer (its requests are aborted) and drops what it holds.
@@ -22,7 +22,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -58,7 +57,34 @@ KEPT_CALL_CODES = (
 )
 
 
-class MuxStream:
+class GenerateStream:
+    """A started Generate whose first response (if any) has arrived, as its reader sees it:
+    `first`, the responses in order by iteration (which cancels the stream when the reader
+    stops), and cancel(). A subclass says how the next response is read: grpc_client.CallStream
+    (a Generate call of its own) or MuxStream (one stream of a GenerateStream call)."""
+
+    first: tokenizer_pb2.GenerateResponse | None
+    address: str
+
+    async def next_response(self) -> tokenizer_pb2.GenerateResponse | None:
+        """The next response after `first`; None at the end; ServiceError on failure."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+    async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        try:
+            if self.first is not None:
+                first, self.first = self.first, None
+                yield first
+            while (response := await self.next_response()) is not None:
+                yield response
+        finally:
+            self.cancel()
+
+
+class MuxStream(GenerateStream):
     """One Generate over a GenerateStream call (see the module docstring)."""
 
     def __init__(self, call: _MuxCall, stream_id: int, deadline: float) -> None:
@@ -102,25 +128,13 @@ class MuxStream:
     # ---- the consumer's side --------------------------------------------------------------
     async def take_first(self) -> None:
         """Wait for the first item: sets `first`, or raises the error the stream ended with."""
+        self.first = await self.next_response()  # None: it ended without a response
+
+    async def next_response(self) -> tokenizer_pb2.GenerateResponse | None:
         item = await self._next()
         if isinstance(item, ServiceError):
             raise item
-        self.first = item  # None: it ended without a response (iteration ends at once)
-
-    async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
-        try:
-            if self.first is not None:
-                first, self.first = self.first, None
-                yield first
-            while True:
-                item = await self._next()
-                if item is None:
-                    return
-                if isinstance(item, ServiceError):
-                    raise item
-                yield item
-        finally:
-            self.cancel()
+        return item
 
     def cancel(self, error: ServiceError | None = None) -> None:
         """Cancel the stream at the tokenizer if it still runs and drop what it holds; a reader
@@ -254,6 +268,5 @@ class GenerateMux:
 
     def close(self) -> None:
         if self._call is not None:
-            with contextlib.suppress(Exception):
-                self._call.close()
+            self._call.close()
             self._call = None

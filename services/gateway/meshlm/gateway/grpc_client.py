@@ -25,8 +25,8 @@ import contextlib
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,7 +36,7 @@ from meshlm.common.channels import Dialer
 from meshlm.common.errors import ServiceError
 from meshlm.common.telemetry import current_traceparent
 from meshlm.common.tls import TlsConfig
-from meshlm.gateway.generate_mux import GenerateMux, status_error
+from meshlm.gateway.generate_mux import GenerateMux, GenerateStream, status_error
 from meshlm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -88,41 +88,20 @@ class _Endpoint:
         self.mux_supported = True  # until it answers UNIMPLEMENTED (probed again after a restart)
 
 
-class GenerateStream(Protocol):
-    """A started Generate whose first response (if any) has arrived: a CallStream (its own
-    Generate call) or a generate_mux.MuxStream (one stream of a GenerateStream call)."""
-
-    first: tokenizer_pb2.GenerateResponse | None
-    address: str
-
-    def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateResponse]: ...
-
-    def cancel(self) -> None: ...
-
-
-class CallStream:
+class CallStream(GenerateStream):
     """A Generate call whose first response (if any) has already arrived."""
 
-    def __init__(self, call: Any, first: Any, address: str) -> None:
+    def __init__(self, call: Any, first: tokenizer_pb2.GenerateResponse | None, address: str) -> None:
         self.call = call
         self.first = first
         self.address = address
 
-    async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+    async def next_response(self) -> tokenizer_pb2.GenerateResponse | None:
         try:
-            if self.first is not None:
-                first, self.first = self.first, None
-                yield first
-            while True:
-                try:
-                    message = await self.call.read()
-                except grpc.aio.AioRpcError as e:
-                    raise to_service_error(e, self.address) from None
-                if message is grpc.aio.EOF:
-                    return
-                yield message
-        finally:
-            self.cancel()
+            message = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            raise to_service_error(e, self.address) from None
+        return None if message is grpc.aio.EOF else message
 
     def cancel(self) -> None:
         """Cancel the call if it still runs (the tokenizer then aborts the request)."""

@@ -21,8 +21,9 @@
  * the same K blocks in the same order of FMAs as in the AVX2 kernel, so the two give the same
  * bits (meshlm_gemm_q_avx2 keeps the AVX2 kernel callable on such CPUs for that check).
  *
- * Work: tasks are (block of <= MC rows, group of panels), split among threads, M divided evenly
- * among the row blocks; within a task, for each panel and K block: dequantize, then run the
+ * Work: tasks are (block of <= MC rows, group of units), split among threads, M divided evenly
+ * among the row blocks; a unit is one panel (AVX2) or two (AVX-512), and one driver,
+ * gemm_q_run, serves both. Within a task, for each unit and K block: dequantize, then run the
  * micro-kernel over the block's micro-panels. Panel-major order streams each panel's packed
  * weights in address order, and the next tile is prefetched while this one is multiplied (the
  * task's rows of x, <= MC x K, are re-read from L2 or L3). The first K block stores (adding the
@@ -274,88 +275,58 @@ static Split split_tasks(int64_t M, int64_t units, int mr, int num_threads) {
     return s;
 }
 
-/* The AVX2 kernel (see the header): 6 x 16 micro-kernels over one panel at a time. */
-static int gemm_q_avx2(int fmt, const float *x, int64_t x_stride, int64_t M, const uint8_t *q, const float *d,
-                       const float *m, const float *bias, float *y, int64_t N, int64_t K, int num_threads) {
-    const int64_t panels = (N + NR - 1) / NR;
+/* One driver for both kernels (see the header). A unit is `per` neighbouring panels: one for the
+ * AVX2 kernel (6 x 16 micro-kernels), two for the AVX-512 one (8 x 32; `wide`, an AVX-512 build
+ * only). A last unit of fewer panels leaves the rest of its buffer zero, and those columns are
+ * never stored. */
+static int gemm_q_run(int wide, int fmt, const float *x, int64_t x_stride, int64_t M, const uint8_t *q,
+                      const float *d, const float *m, const float *bias, float *y, int64_t N, int64_t K,
+                      int num_threads) {
+    const int per = wide ? 2 : 1, ld = per * NR, mr = wide ? MR512 : MR;
+    const int64_t panels = (N + NR - 1) / NR, units = (panels + per - 1) / per;
     const int64_t k_blocks = (K + KC_MAX - 1) / KC_MAX; /* KC_MAX is a multiple of QK */
-    const Split sp = split_tasks(M, panels, MR, num_threads);
+    const Split sp = split_tasks(M, units, mr, num_threads);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *buf = aligned_alloc(64, sizeof(float) * KC_MAX * NR);
+        float *buf = aligned_alloc(64, sizeof(float) * KC_MAX * ld);
         failed |= buf == NULL;
+        if (buf != NULL)
+            for (int64_t i = 0; i < (int64_t)KC_MAX * ld; i++) buf[i] = 0.0f;
         /* dynamic: a thread the OS preempts (another process on these cores) hands its tasks on */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < sp.tasks; t++) {
             if (buf == NULL) continue;
             const int64_t i0 = (t / sp.groups) * sp.mc;
             const int64_t rows = M - i0 < sp.mc ? M - i0 : sp.mc;
-            const int64_t g = t % sp.groups, p_end = (g + 1) * panels / sp.groups;
-            for (int64_t p = g * panels / sp.groups; p < p_end; p++) {
-                const int cols = (int)(N - p * NR < NR ? N - p * NR : NR);
-                const float *bias_p = bias != NULL ? bias + p * NR : NULL;
-                for (int64_t kb = 0; kb < k_blocks; kb++) {
-                    const int64_t k0 = kb * KC_MAX;
-                    const int kc = k_block_len(K, k0);
-                    /* the next tile: this panel's next K block, else the next panel's first */
-                    if (kb + 1 < k_blocks)
-                        prefetch_tile(fmt, q, d, m, K, p, k0 + KC_MAX, k_block_len(K, k0 + KC_MAX));
-                    else if (p + 1 < p_end)
-                        prefetch_tile(fmt, q, d, m, K, p + 1, 0, k_block_len(K, 0));
-                    dequant_panel(fmt, q, d, m, K, p, k0, kc, buf, NR);
-                    for (int64_t r0 = 0; r0 < rows; r0 += MR)
-                        micro_kernel(kc, x + (i0 + r0) * x_stride + k0, x_stride, buf, y + (i0 + r0) * N + p * NR,
-                                     N, kb == 0, bias_p, (int)(rows - r0 < MR ? rows - r0 : MR), cols);
-                }
-            }
-        }
-        free(buf);
-    }
-    return failed ? 3 : 0;
-}
-#endif
-
-#ifdef HAVE_AVX512
-/* The AVX-512 kernel: the AVX2 kernel's tasks over pairs of panels (the last may be a single
- * panel; its other half of the buffer stays zero and is never stored), 8 x 32 micro-kernels. */
-static int gemm_q_avx512(int fmt, const float *x, int64_t x_stride, int64_t M, const uint8_t *q, const float *d,
-                         const float *m, const float *bias, float *y, int64_t N, int64_t K, int num_threads) {
-    const int64_t panels = (N + NR - 1) / NR, pairs = (panels + 1) / 2;
-    const int64_t k_blocks = (K + KC_MAX - 1) / KC_MAX;
-    const Split sp = split_tasks(M, pairs, MR512, num_threads);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *buf = aligned_alloc(64, sizeof(float) * KC_MAX * NR512);
-        failed |= buf == NULL;
-        if (buf != NULL)
-            for (int64_t i = 0; i < (int64_t)KC_MAX * NR512; i++) buf[i] = 0.0f;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < sp.tasks; t++) {
-            if (buf == NULL) continue;
-            const int64_t i0 = (t / sp.groups) * sp.mc;
-            const int64_t rows = M - i0 < sp.mc ? M - i0 : sp.mc;
-            const int64_t g = t % sp.groups, pp_end = (g + 1) * pairs / sp.groups;
-            for (int64_t pp = g * pairs / sp.groups; pp < pp_end; pp++) {
-                const int64_t p = 2 * pp, col0 = p * NR;
-                const int both = p + 1 < panels;
-                const int cols = (int)(N - col0 < NR512 ? N - col0 : NR512);
+            const int64_t g = t % sp.groups, u_end = (g + 1) * units / sp.groups;
+            for (int64_t u = g * units / sp.groups; u < u_end; u++) {
+                const int64_t p = per * u, col0 = p * NR;
+                const int cols = (int)(N - col0 < ld ? N - col0 : ld);
                 const float *bias_p = bias != NULL ? bias + col0 : NULL;
                 for (int64_t kb = 0; kb < k_blocks; kb++) {
                     const int64_t k0 = kb * KC_MAX;
                     const int kc = k_block_len(K, k0);
-                    /* the next tiles: this pair's next K block, else the next pair's first */
-                    const int64_t next_p = kb + 1 < k_blocks ? p : p + 2;
+                    /* the next tiles: this unit's next K block, else the next unit's first */
+                    const int64_t next_p = kb + 1 < k_blocks ? p : p + per;
                     const int64_t next_k0 = kb + 1 < k_blocks ? k0 + KC_MAX : 0;
-                    if (kb + 1 < k_blocks || pp + 1 < pp_end)
-                        for (int64_t np = next_p; np < next_p + 2 && np < panels; np++)
+                    if (kb + 1 < k_blocks || u + 1 < u_end)
+                        for (int64_t np = next_p; np < next_p + per && np < panels; np++)
                             prefetch_tile(fmt, q, d, m, K, np, next_k0, k_block_len(K, next_k0));
-                    dequant_panel(fmt, q, d, m, K, p, k0, kc, buf, NR512);
-                    if (both) dequant_panel(fmt, q, d, m, K, p + 1, k0, kc, buf + NR, NR512);
-                    for (int64_t r0 = 0; r0 < rows; r0 += MR512)
-                        micro_kernel_512(kc, x + (i0 + r0) * x_stride + k0, x_stride, buf, y + (i0 + r0) * N + col0,
-                                         N, kb == 0, bias_p, (int)(rows - r0 < MR512 ? rows - r0 : MR512), cols);
+                    for (int64_t j = p; j < p + per && j < panels; j++)
+                        dequant_panel(fmt, q, d, m, K, j, k0, kc, buf + (j - p) * NR, ld);
+                    for (int64_t r0 = 0; r0 < rows; r0 += mr) {
+                        const float *xr = x + (i0 + r0) * x_stride + k0;
+                        float *yr = y + (i0 + r0) * N + col0;
+                        const int r = (int)(rows - r0 < mr ? rows - r0 : mr);
+#ifdef HAVE_AVX512
+                        if (wide) {
+                            micro_kernel_512(kc, xr, x_stride, buf, yr, N, kb == 0, bias_p, r, cols);
+                            continue;
+                        }
+#endif
+                        micro_kernel(kc, xr, x_stride, buf, yr, N, kb == 0, bias_p, r, cols);
+                    }
                 }
             }
         }
@@ -378,9 +349,9 @@ int meshlm_gemm_q(int fmt, const float *x, int64_t x_stride, int64_t M, const ui
 #else
     if (bad_args(fmt, x_stride, M, N, K, num_threads)) return 1;
 #ifdef HAVE_AVX512
-    return gemm_q_avx512(fmt, x, x_stride, M, q, d, m, bias, y, N, K, num_threads);
+    return gemm_q_run(1, fmt, x, x_stride, M, q, d, m, bias, y, N, K, num_threads);
 #else
-    return gemm_q_avx2(fmt, x, x_stride, M, q, d, m, bias, y, N, K, num_threads);
+    return gemm_q_run(0, fmt, x, x_stride, M, q, d, m, bias, y, N, K, num_threads);
 #endif
 #endif
 }
@@ -394,6 +365,6 @@ int meshlm_gemm_q_avx2(int fmt, const float *x, int64_t x_stride, int64_t M, con
     return 2;
 #else
     if (bad_args(fmt, x_stride, M, N, K, num_threads)) return 1;
-    return gemm_q_avx2(fmt, x, x_stride, M, q, d, m, bias, y, N, K, num_threads);
+    return gemm_q_run(0, fmt, x, x_stride, M, q, d, m, bias, y, N, K, num_threads);
 #endif
 }

@@ -19,7 +19,6 @@ into one kind only, so there is one object per kind).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -32,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from meshlm.common.auth import AuthConfig
+from meshlm.common.deadline import within
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _refuse(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
             # from Core") instead of this refusal. Bounded: a silent client is refused after
             # REFUSE_WAIT_S. The message is never looked at.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(anext(aiter(request), None), REFUSE_WAIT_S)
+                await within(anext(aiter(request), None), REFUSE_WAIT_S)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kind = {

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from meshlm.common.auth import AuthConfig
 from meshlm.common.auth_interceptors import server_interceptors
 from meshlm.common.channels import MAX_MESSAGE_BYTES
+from meshlm.common.deadline import within
 from meshlm.common.grpc_decode import BadMessageInterceptor
 from meshlm.common.tls import PLAINTEXT, TlsConfig
 
@@ -134,7 +135,7 @@ class GrpcServer:
         await self.set_serving(False)
         if on_drain is not None:
             try:
-                await asyncio.wait_for(on_drain(), timeout=grace_s)
+                await within(on_drain(), grace_s)
             except asyncio.TimeoutError:
                 logger.warning("drain did not finish within %.1fs; stopping anyway", grace_s)
         await self.stop(grace=min(grace_s, 5.0))

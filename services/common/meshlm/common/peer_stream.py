@@ -34,6 +34,7 @@ import grpc
 
 from meshlm.common import protocol
 from meshlm.common.channels import Backoff, Dialer
+from meshlm.common.deadline import within
 from meshlm.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class PeerStream(abc.ABC):
 
     async def wait_up(self, timeout: float) -> bool:
         try:
-            await asyncio.wait_for(self._up.wait(), timeout)
+            await within(self._up.wait(), timeout)
             return True
         except asyncio.TimeoutError:
             return False
@@ -141,7 +142,7 @@ class PeerStream(abc.ABC):
         reason = "stream ended"
         try:
             if self.connect_timeout_s is not None:
-                await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
+                await within(channel.channel_ready(), self.connect_timeout_s)
             await self.serve(channel, endpoint)
             if self.closed:
                 reason = "closed"

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from meshlm.common.deadline import within
 from meshlm.common.errors import ServiceError
 from meshlm.common.log import request_id_var
 from meshlm.gateway.errors import APIError, bad_request, error_response
@@ -310,7 +311,7 @@ async def health_generate(request: Request) -> Response:
             await st.pool.embed(tokenizer_pb2.EmbedRequest(rid=rid, prompts=[prompt]), timeout=HEALTH_CHECK_TIMEOUT_S)
 
     try:
-        await asyncio.wait_for(probe(), HEALTH_CHECK_TIMEOUT_S)
+        await within(probe(), HEALTH_CHECK_TIMEOUT_S)
     except asyncio.TimeoutError:
         return error_response(503, f"health check generate did not answer within {HEALTH_CHECK_TIMEOUT_S:.0f}s")
     except ServiceError as e:

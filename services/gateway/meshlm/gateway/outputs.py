@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
+from meshlm.common.deadline import within
 from meshlm.common.finish import FinishKind, FinishReason
 from meshlm.gateway.errors import APIError, error_body
 from meshlm.v1 import common_pb2, tokenizer_pb2
@@ -139,11 +139,7 @@ def _stalled(exc: BaseException) -> bool:
 
 async def _send_within(send: Any, message: Any, timeout_s: float) -> None:
     try:
-        if sys.version_info >= (3, 11):
-            async with asyncio.timeout(timeout_s):
-                await send(message)
-        else:  # pragma: no cover (3.10)
-            await asyncio.wait_for(send(message), timeout_s)
+        await within(send(message), timeout_s)
     except asyncio.TimeoutError:
         raise StreamStalled(f"the client accepted nothing for stream_stall_timeout_s={timeout_s:g}s") from None
 

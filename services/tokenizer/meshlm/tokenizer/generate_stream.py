@@ -30,6 +30,7 @@ from typing import Protocol
 
 import grpc
 
+from meshlm.common.deadline import within
 from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.grpc_status import status_of
 from meshlm.v1 import tokenizer_pb2
@@ -75,7 +76,7 @@ class GenerateStreamCall:
         try:
             while True:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), DRAIN_POLL_S)
+                    await within(self._wake.wait(), DRAIN_POLL_S)
                 self._wake.clear()
                 if self._overflow is not None:
                     raise self._overflow

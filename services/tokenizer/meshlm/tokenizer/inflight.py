@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from meshlm.common.deadline import within
 from meshlm.common.errors import ServiceError
 from meshlm.common.finish import FinishReason
 from meshlm.common.log import request_id_var
@@ -138,7 +139,7 @@ class InFlight:
 
     async def next_event(self, call: Call) -> Event:
         try:
-            return await asyncio.wait_for(call.queue.get(), self.request_timeout_s)
+            return await within(call.queue.get(), self.request_timeout_s)
         except asyncio.TimeoutError:
             raise ServiceError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -31,6 +31,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from meshlm.common.channels import Dialer
+from meshlm.common.deadline import within
 from meshlm.common.errors import ServiceError
 from meshlm.common.metrics import Metrics
 from meshlm.common.telemetry import current_traceparent, span, start_span
@@ -151,7 +152,7 @@ class TokenizerManager:
         are aborted at their schedulers and fail with UNAVAILABLE."""
         self.start_draining()
         try:
-            await asyncio.wait_for(self.inflight.idle.wait(), timeout=max(0.0, grace_s))
+            await within(self.inflight.idle.wait(), max(0.0, grace_s))
             return
         except asyncio.TimeoutError:
             pass  # still busy: abort what is left
@@ -160,7 +161,7 @@ class TokenizerManager:
             state.conn.send(abort_msg(state.wire_rid, "tokenizer shutting down"))
             self.inflight.fail(state, err)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.inflight.idle.wait(), timeout=2.0)
+            await within(self.inflight.idle.wait(), 2.0)
 
     # ---- checks and routing ---------------------------------------------------------------
     def _tok(self) -> HFTokenizer:

@@ -23,6 +23,7 @@ from typing import Protocol
 import grpc
 
 from meshlm.common.channels import Dialer
+from meshlm.common.deadline import within
 from meshlm.common.errors import ServiceError
 from meshlm.common.peer_stream import RESOLVE_INTERVAL_S, PeerSet, PeerStream
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -89,7 +90,7 @@ class SchedulerConnection(PeerStream):
         try:
             if not self.send(msg):
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"scheduler {self.address} is not connected")
-            return await asyncio.wait_for(fut, timeout)
+            return await within(fut, timeout)
         except asyncio.TimeoutError:
             raise ServiceError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -131,7 +132,7 @@ class SchedulerConnection(PeerStream):
         try:
             while True:
                 try:
-                    out = await asyncio.wait_for(call.read(), self.stale_after_s)
+                    out = await within(call.read(), self.stale_after_s)
                 except asyncio.TimeoutError:
                     logger.warning("scheduler %s silent for %.0fs; reconnecting", endpoint, self.stale_after_s)
                     return

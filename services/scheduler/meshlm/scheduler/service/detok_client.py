@@ -28,6 +28,7 @@ import grpc
 from meshlm.common import addresses
 from meshlm.common.addresses import Resolver
 from meshlm.common.channels import Dialer
+from meshlm.common.deadline import within
 from meshlm.common.peer_stream import PeerStream
 from meshlm.common.tls import TlsConfig
 from meshlm.scheduler.service.tracker import RequestTracker
@@ -101,7 +102,7 @@ class DetokenizerPushClient(PeerStream):
     async def flush(self, timeout: float) -> bool:
         """Wait until every queued message has been written (True) or timeout (False)."""
         try:
-            await asyncio.wait_for(self._queue.join(), timeout)
+            await within(self._queue.join(), timeout)
             return True
         except asyncio.TimeoutError:
             return False
@@ -145,7 +146,7 @@ class DetokenizerPushClient(PeerStream):
             self.mark_up()
             self._written = 0
             for m in first:
-                await asyncio.wait_for(call.write(m), self.write_timeout_s)
+                await within(call.write(m), self.write_timeout_s)
                 self._written += 1
             self._pending.clear()  # everything they were waiting for has been re-sent
             self.down_since = None
@@ -155,8 +156,8 @@ class DetokenizerPushClient(PeerStream):
         except asyncio.CancelledError:
             if self.connected:
                 try:  # clean end of stream on close()
-                    await asyncio.wait_for(call.done_writing(), 1.0)
-                    await asyncio.wait_for(call, 1.0)
+                    await within(call.done_writing(), 1.0)
+                    await within(call, 1.0)
                 except BaseException:
                     pass
             raise
@@ -185,7 +186,7 @@ class DetokenizerPushClient(PeerStream):
                     continue  # closing: write what is left, then end the stream
                 msg = get.result()
                 try:
-                    await asyncio.wait_for(call.write(msg), self.write_timeout_s)
+                    await within(call.write(msg), self.write_timeout_s)
                     self._written += 1
                 finally:
                     self._queue.task_done()
@@ -195,8 +196,8 @@ class DetokenizerPushClient(PeerStream):
 
     async def _end_stream(self, call: grpc.aio.StreamUnaryCall) -> None:
         """Half-close and wait for the PushSummary: the count of messages the detokenizer read."""
-        await asyncio.wait_for(call.done_writing(), self.write_timeout_s)
-        summary = await asyncio.wait_for(call, self.write_timeout_s)
+        await within(call.done_writing(), self.write_timeout_s)
+        summary = await within(call, self.write_timeout_s)
         if summary.messages != self._written:
             logger.warning(
                 "detokenizer %s read %d of the %d messages of its Push stream",

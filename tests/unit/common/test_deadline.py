@@ -1,0 +1,98 @@
+"""meshlm.common.deadline.within: a bounded wait that never loses a cancellation.
+
+The case that matters: the awaited result arrives in the same loop iteration as a cancel of the
+waiting task. Python 3.11's asyncio.wait_for returns the result then and the task runs on; a
+tokenizer's Generate stream cancelled just as a token arrived kept decoding to max_tokens (the
+flaky test_client_disconnect_frees_kv_on_both_schedulers). The same race is run against
+InFlight.next_event, the wait that lost it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshlm.common.deadline import within
+from meshlm.tokenizer.inflight import InFlight
+from meshlm.tokenizer.metrics import TokenizerMetrics
+from meshlm.tokenizer.state import ErrorEvent, ReqState
+
+
+async def _cancel_as_the_result_arrives(wait: object, deliver: object) -> tuple[list[object], bool]:
+    """A task loops on `wait()`; one result is delivered and the task cancelled in the same
+    iteration. Returns what the task got and whether it ended cancelled."""
+    got: list[object] = []
+
+    async def worker() -> None:
+        while True:
+            got.append(await wait())  # type: ignore[operator]
+
+    task = asyncio.create_task(worker())
+    await asyncio.sleep(0)  # the worker waits
+    deliver()  # type: ignore[operator]
+    await asyncio.sleep(0)  # the inner wait is done; the worker has not resumed yet
+    task.cancel()
+    await asyncio.sleep(0.05)
+    ended_cancelled = task.done() and task.cancelled()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return got, ended_cancelled
+
+
+def test_a_cancel_in_the_iteration_of_the_result_is_not_lost() -> None:
+    async def run() -> None:
+        q: asyncio.Queue[int] = asyncio.Queue()
+        _, cancelled = await _cancel_as_the_result_arrives(lambda: within(q.get(), 10), lambda: q.put_nowait(1))
+        assert cancelled, "the task ran on after its cancel"
+
+    asyncio.run(run())
+
+
+def test_the_result_is_returned_and_the_deadline_raises_timeout() -> None:
+    async def run() -> None:
+        q: asyncio.Queue[int] = asyncio.Queue()
+        q.put_nowait(7)
+        assert await within(q.get(), 1.0) == 7
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        with pytest.raises(asyncio.TimeoutError):
+            await within(inner, 0.05)
+        assert inner.cancelled(), "the awaited work is cancelled at the deadline"
+
+    asyncio.run(run())
+
+
+def test_a_deadline_inside_cleanup_after_a_cancel_still_times_out() -> None:
+    """detok_client ends its stream within a bound from an `except CancelledError` block."""
+
+    async def run() -> str:
+        async def worker() -> str:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                try:
+                    await within(asyncio.sleep(10), 0.05)
+                except asyncio.TimeoutError:
+                    return "timed out"
+            return "not cancelled"
+
+        task = asyncio.create_task(worker())
+        await asyncio.sleep(0)
+        task.cancel()
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(run()) == "timed out"
+
+
+def test_inflight_next_event_keeps_a_cancel_that_races_an_event() -> None:
+    async def run() -> None:
+        inflight = InFlight(TokenizerMetrics(), request_timeout_s=10)
+        call = inflight.open_call("r")
+        state = ReqState(call, 0, "r", req=None, conn=None)
+        got, cancelled = await _cancel_as_the_result_arrives(
+            lambda: inflight.next_event(call),
+            lambda: call.queue.put_nowait(ErrorEvent(state, None)),  # type: ignore[arg-type]
+        )
+        assert len(got) == 1 and cancelled, "the Generate stream's task ran on after its cancel"
+
+    asyncio.run(run())

@@ -9,6 +9,7 @@ InFlight.next_event, the wait that lost it."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,10 @@ def test_inflight_next_event_keeps_a_cancel_that_races_an_event() -> None:
         assert len(got) == 1 and cancelled, "the Generate stream's task ran on after its cancel"
 
     asyncio.run(run())
+
+
+def test_no_service_waits_with_asyncio_wait_for() -> None:
+    """Every bounded wait of the services goes through `within` (see the module docstring)."""
+    root = Path(__file__).resolve().parents[3] / "services"
+    users = [str(p.relative_to(root)) for p in root.rglob("*.py") if "asyncio.wait_for(" in p.read_text()]
+    assert not users, f"asyncio.wait_for in {users}: use meshlm.common.deadline.within"

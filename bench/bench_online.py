@@ -196,6 +196,8 @@ def main() -> None:
         return
     if not args.compare:
         ap.error("give --base-url or --compare")
+    from bench_servers import pid_cpu_s, wait_cpu_idle
+
     from meshlm.launch.launcher import LaunchPlan, free_port, launch
     from meshlm.scheduler.engine import Engine
     from meshlm.scheduler.model_loader import resolve_model_path
@@ -207,6 +209,7 @@ def main() -> None:
         async def run_engine() -> list[Result]:
             stream = engine_stream(engine)
             await run_level("warmup", stream, work[:2], 2)
+            wait_cpu_idle(time.process_time)  # the KV pool is faulted in by a thread after start-up
             return [await run_level("engine", stream, work, c) for c in levels]
 
         base = asyncio.run(run_engine())
@@ -220,6 +223,8 @@ def main() -> None:
     )
     system = launch(plan)
     try:
+        pids = [c.proc.pid for c in system.children if c.proc is not None]
+        wait_cpu_idle(lambda: sum(pid_cpu_s(p) for p in pids))  # as the engine: start-up work done first
         services = asyncio.run(bench_openai(system.http_url + "/v1", work, levels))
     finally:
         system.stop()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +71,26 @@ def pss_mib(root: int) -> float:
     return kib / 1024
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat after the command name: [0] state, [3] session, [11] utime, [12] stime."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def pid_cpu_s(pid: int) -> float:
+    """utime + stime of one process, its threads included (0 once it is gone)."""
+    try:
+        fields = _stat_fields(pid)
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_s(root: int) -> float:
     """CPU seconds (utime + stime) so far of `root`'s session (its process tree, as pss_mib)."""
     ticks = 0
     for d in Path("/proc").iterdir():
         try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else []
+            fields = _stat_fields(d.name) if d.name.isdigit() else []
             if fields and int(fields[3]) == root:
                 ticks += int(fields[11]) + int(fields[12])
         except (OSError, IndexError, ValueError):
@@ -83,17 +98,25 @@ def tree_cpu_s(root: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def wait_idle(srv: Server, busy_below: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0) -> float:
-    """Wait until the server's process tree uses under `busy_below` of a core over `window_s`
-    (start-up work that outlives /health, such as meshlm's KV pool being faulted in by a
-    background thread, would otherwise run during the first measurement); the seconds waited."""
+def wait_cpu_idle(
+    cpu_s: Callable[[], float], busy_below: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0
+) -> float:
+    """Wait until `cpu_s()` (CPU seconds so far of what is measured) grows by under `busy_below`
+    of a core over `window_s`: start-up work that outlives /health, such as meshlm's KV pool
+    being faulted in by a background thread, would otherwise run during the first measurement.
+    Returns the seconds waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        before = tree_cpu_s(srv.proc.pid)
+        before = cpu_s()
         time.sleep(window_s)
-        if tree_cpu_s(srv.proc.pid) - before < busy_below * window_s:
+        if cpu_s() - before < busy_below * window_s:
             break
     return time.monotonic() - t0
+
+
+def wait_idle(srv: Server, busy_below: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0) -> float:
+    """wait_cpu_idle over the server's process tree."""
+    return wait_cpu_idle(lambda: tree_cpu_s(srv.proc.pid), busy_below, window_s, timeout_s)
 
 
 def log_tail(log: Path, n: int = 12) -> str:

@@ -38,19 +38,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_clients import usage_stream  # noqa: E402
 from bench_online import Result, make_workload, run_level  # noqa: E402
-from bench_servers import HOST, Server, start_server, stop, wait_idle  # noqa: E402
+from bench_servers import HOST, Server, pid_cpu_s, start_server, stop, wait_idle  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("scheduler", "tokenizer", "detokenizer", "gateway")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process, its threads included (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def service_pids(root: int) -> dict[str, list[int]]:
@@ -119,13 +110,13 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
                             stderr=subprocess.DEVNULL,
                         )
                     )
-        before = {s: sum(cpu_seconds(p) for p in ps) for s, ps in pids.items()}
+        before = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         res = asyncio.run(drive(srv, work, args.concurrency))
         wall = time.perf_counter() - t0
         me1 = resource.getrusage(resource.RUSAGE_SELF)
-        after = {s: sum(cpu_seconds(p) for p in ps) for s, ps in pids.items()}
+        after = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
         for spy in spies:  # py-spy writes its output on SIGINT
             spy.send_signal(signal.SIGINT)
             spy.wait(30)

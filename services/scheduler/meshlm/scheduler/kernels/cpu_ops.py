@@ -21,7 +21,7 @@ from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype codes of our C kernels (cpu_ops.c, the decode plan)
 MAX_ROW = 32768  # csrc/cpu_ops.c: the longest row (hidden size, intermediate size) it takes
 
 
@@ -48,7 +48,7 @@ class CpuOps:
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype in _DTYPES and _rows(x) and x.shape[-1] <= MAX_ROW
+        return x.device.type == "cpu" and x.dtype in DTYPE_CODES and _rows(x) and x.shape[-1] <= MAX_ROW
 
     def add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -67,7 +67,7 @@ class CpuOps:
             r.data_ptr(),
             weight.data_ptr(),
             out.data_ptr(),
-            _DTYPES[x.dtype],
+            DTYPE_CODES[x.dtype],
             t,
             h,
             x.stride(0),
@@ -109,7 +109,7 @@ class CpuOps:
             raise ValueError(f"positions must be [{t}], got {tuple(pos.shape)}")
         rc = self._rope(
             qkv.data_ptr(),
-            _DTYPES[qkv.dtype],
+            DTYPE_CODES[qkv.dtype],
             t,
             qkv.stride(0),
             num_q_heads,
@@ -135,7 +135,7 @@ class CpuOps:
         rc = self._silu(
             gate_up.data_ptr(),
             out.data_ptr(),
-            _DTYPES[gate_up.dtype],
+            DTYPE_CODES[gate_up.dtype],
             t,
             two_i // 2,
             gate_up.stride(0),
@@ -155,12 +155,12 @@ class CpuOps:
         t, v = x.shape
         out = torch.empty(t, dtype=torch.int64)
         if t:
-            self._argmax(x.data_ptr(), _DTYPES[x.dtype], t, v, x.stride(0), out.data_ptr(), torch.get_num_threads())
+            self._argmax(x.data_ptr(), DTYPE_CODES[x.dtype], t, v, x.stride(0), out.data_ptr(), torch.get_num_threads())
         return out
 
     @staticmethod
     def supports_argmax(x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype in _DTYPES and _rows(x) and x.shape[1] >= 1
+        return x.device.type == "cpu" and x.dtype in DTYPE_CODES and _rows(x) and x.shape[1] >= 1
 
 
 @functools.lru_cache(maxsize=1)

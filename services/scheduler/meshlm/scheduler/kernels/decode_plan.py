@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshlm.scheduler.kernels.build import load_library
+from meshlm.scheduler.kernels.cpu_ops import DTYPE_CODES
 from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ KIND_NAMES = (
     "gemv_f32", "gemv_q4_1", "gemv_q8_0", "gemm_q",
 )  # fmt: skip
 MAX_ROWS = 1 << 30  # "any batch"
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # dtype codes of the kernels
 
 
 def dtype_code(t: torch.Tensor) -> int:

@@ -9,28 +9,33 @@ InFlight.next_event, the wait that lost it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
 from meshlm.common.deadline import within
+from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.inflight import InFlight
 from meshlm.tokenizer.metrics import TokenizerMetrics
 from meshlm.tokenizer.state import ErrorEvent, ReqState
 
 
-async def _cancel_as_the_result_arrives(wait: object, deliver: object) -> tuple[list[object], bool]:
+async def _cancel_as_the_result_arrives(
+    wait: Callable[[], Awaitable[object]], deliver: Callable[[], None]
+) -> tuple[list[object], bool]:
     """A task loops on `wait()`; one result is delivered and the task cancelled in the same
     iteration. Returns what the task got and whether it ended cancelled."""
     got: list[object] = []
 
     async def worker() -> None:
         while True:
-            got.append(await wait())  # type: ignore[operator]
+            got.append(await wait())
 
     task = asyncio.create_task(worker())
     await asyncio.sleep(0)  # the worker waits
-    deliver()  # type: ignore[operator]
+    deliver()
     await asyncio.sleep(0)  # the inner wait is done; the worker has not resumed yet
     task.cancel()
     await asyncio.sleep(0.05)
@@ -92,7 +97,7 @@ def test_inflight_next_event_keeps_a_cancel_that_races_an_event() -> None:
         state = ReqState(call, 0, "r", req=None, conn=None)
         got, cancelled = await _cancel_as_the_result_arrives(
             lambda: inflight.next_event(call),
-            lambda: call.queue.put_nowait(ErrorEvent(state, None)),  # type: ignore[arg-type]
+            lambda: call.queue.put_nowait(ErrorEvent(state, ServiceError(grpc.StatusCode.UNAVAILABLE, "gone"))),
         )
         assert len(got) == 1 and cancelled, "the Generate stream's task ran on after its cancel"
 

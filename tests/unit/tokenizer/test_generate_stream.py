@@ -68,6 +68,11 @@ class Caller:
     async def next(self) -> tokenizer_pb2.GenerateStreamResponse:
         return await asyncio.wait_for(self.responses.__anext__(), 5)
 
+    async def half_close(self) -> list[tokenizer_pb2.GenerateStreamItem]:
+        """Half-close the call and read it to its end: the items of every message left."""
+        self.requests.put_nowait(None)
+        return [item for msg in [m async for m in self.responses] for item in msg.items]
+
 
 def ends(items: list[tokenizer_pb2.GenerateStreamItem]) -> dict[int, tuple[int, str]]:
     return {i.stream_id: (i.end.code, i.end.message) for i in items if i.HasField("end")}
@@ -92,8 +97,7 @@ def test_a_step_of_every_stream_leaves_as_one_message_and_each_ends_once() -> No
             for sid in range(1, 6)
         }
         assert all(idx == [0, 1, 2] for idx in per_stream.values()), per_stream
-        caller.requests.put_nowait(None)  # half-close: the call ends once every stream has
-        tail = [item for msg in [m async for m in caller.responses] for item in msg.items]
+        tail = await caller.half_close()  # the call ends once every stream has ended
         assert not any(i.HasField("response") for i in tail)
         every = [item for msg in messages for item in msg.items] + tail
         assert ends(every) == {sid: (0, "") for sid in range(1, 6)}
@@ -109,8 +113,7 @@ def test_errors_end_only_their_stream_with_their_status() -> None:
         caller.requests.put_nowait(gen(1, "busy-1"))
         caller.requests.put_nowait(gen(2, "bad-1"))
         caller.requests.put_nowait(gen(3, "free-2"))
-        caller.requests.put_nowait(None)
-        items = [item for msg in [m async for m in caller.responses] for item in msg.items]
+        items = await caller.half_close()
         got = ends(items)
         assert got[1] == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "queue full (max_queued_requests=1)")
         assert got[2] == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "sampling_params.temperature must be >= 0")
@@ -130,8 +133,7 @@ def test_a_running_id_reused_is_refused_and_the_first_stream_goes_on() -> None:
         msg = await caller.next()
         assert ends(list(msg.items)) == {7: (grpc.StatusCode.INVALID_ARGUMENT.value[0], "stream_id 7 is running")}
         script.steps[0].set()
-        caller.requests.put_nowait(None)
-        items = [item for m in [m async for m in caller.responses] for item in m.items]
+        items = await caller.half_close()
         assert [i.response.index for i in items if i.HasField("response")] == [0]
         assert ends(items) == {7: (0, "")}
         assert script.closed == ["step-1"]  # the refused duplicate never started
@@ -153,8 +155,7 @@ def test_cancel_closes_the_stream_and_ends_it_silently() -> None:
         assert "step-5" in script.closed  # its generator was closed (its requests aborted)
         for step in script.steps:
             step.set()
-        caller.requests.put_nowait(None)
-        rest = [item for m in [m async for m in caller.responses] for item in m.items]
+        rest = await caller.half_close()
         assert all(i.stream_id == 2 for i in rest if i.HasField("response"))
         assert 1 not in ends(rest)  # a cancelled stream gets no end
 

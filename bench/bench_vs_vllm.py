@@ -35,7 +35,6 @@ import argparse
 import atexit
 import json
 import os
-import resource
 import shlex
 import shutil
 import signal
@@ -77,12 +76,6 @@ SIZES = (
 
 
 # ---------------------------------------------------------------------------- clients
-
-
-def children_cpu_s() -> float:
-    """CPU seconds of this process and its waited-for children (the client runs)."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # ---------------------------------------------------------------------------- report
@@ -152,15 +145,15 @@ def print_report(rep: Row) -> None:
         print(f"\n-- workload {wl}: {shape}")
         print(
             f"{'system':<14}{'round':>6}{'conc':>5}{'prompts':>8}{'out tok/s':>11}{'TPOT p50':>10}{'TTFT p50':>10}"
-            f"{'server us/tok':>14}{'client us/tok':>14}{'idle others':>12}  checks"
+            f"{'server us/tok':>14}{'idle others':>12}  checks"
         )
         for r in rows:
             others = r.get("neighbours_cpu_cores")
-            cpu = [r.get(k) for k in ("server_cpu_us_per_token", "client_cpu_us_per_token")]
+            cpu = r.get("server_cpu_us_per_token")
             print(
                 f"{r['system']:<14}{r.get('round', 1):>6}{r['concurrency']:>5}{r['num_prompts']:>8}"
                 f"{r['out_tok_s']:>11.1f}{r['tpot_p50_ms']:>10.1f}{r['ttft_p50_ms']:>10.1f}"
-                + "".join(f"{'-' if v is None else f'{v:.0f}':>14}" for v in cpu)
+                + f"{'-' if cpu is None else f'{cpu:.0f}':>14}"
                 + f"{'-' if others is None else f'{others:.3f}':>12}  {'; '.join(r['issues']) or 'ok'}"
             )
         for c in sorted({r["concurrency"] for r in rows}):
@@ -310,7 +303,7 @@ def main() -> None:
         info = rep["systems"][srv.label]
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
         idle_cpu0, t0 = sum(tree_cpu_s(s.proc.pid) for s in idle), time.monotonic()
-        server_cpu0, client_cpu0 = tree_cpu_s(srv.proc.pid), children_cpu_s()
+        server_cpu0 = tree_cpu_s(srv.proc.pid)
         try:
             m = (
                 vllm_bench(args, srv, wl, n, c, work, run)
@@ -323,11 +316,9 @@ def main() -> None:
             return
         wall = time.monotonic() - t0
         m = {"system": srv.label, "workload": wl.name, "concurrency": c, "num_prompts": n, "round": max(run, 1), **m}
-        # CPU per output token: the server's process tree, and the client (vllm bench serve, a
-        # child process; the fallback client runs in this process, counted as well)
-        tokens = max(int(m["total_output_tokens"]), 1)
-        m["server_cpu_us_per_token"] = (tree_cpu_s(srv.proc.pid) - server_cpu0) / tokens * 1e6
-        m["client_cpu_us_per_token"] = (children_cpu_s() - client_cpu0) / tokens * 1e6
+        # the server's process tree's CPU per output token (the client's is not comparable:
+        # `vllm bench serve` spends ~10 s of CPU importing and building its dataset per run)
+        m["server_cpu_us_per_token"] = (tree_cpu_s(srv.proc.pid) - server_cpu0) / max(m["total_output_tokens"], 1) * 1e6
         if idle:
             m["neighbours_cpu_cores"] = (sum(tree_cpu_s(s.proc.pid) for s in idle) - idle_cpu0) / wall
         m["issues"] = check(m, n, wl)

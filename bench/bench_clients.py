@@ -77,12 +77,12 @@ class Workload:
             for k in range(n)
         ]
 
-    def seed(self, base: int, c: int, run: int = 0) -> int:
+    def seed(self, base: int, c: int, run: int = 1) -> int:
         """Each (workload, concurrency, round) run gets its own prompts, the same for every system:
         both servers keep a prefix cache, and vLLM's random prompts of one seed are the same runs of
         token ids at any length, so a repeated seed would find the previous run's prompts cached.
-        `run` is the round (0 or 1: the first)."""
-        return base + 1000 * WORKLOADS.index(self.name) + c + 100_000 * max(run - 1, 0)
+        `run` is the round, from 1."""
+        return base + 1000 * WORKLOADS.index(self.name) + c + 100_000 * (run - 1)
 
     def describe(self, n: int, n1: int) -> str:
         var = " (+-75%)" if self.name == "mixed" else ""
@@ -90,9 +90,9 @@ class Workload:
         return f"{what} {self.input_len}{var}, output {self.output_len}{var} tokens, {n} prompts ({n1} at c=1)"
 
 
-def vllm_bench(args: argparse.Namespace, srv: Server, wl: Workload, n: int, c: int, work: Path, run: int = 0) -> Row:
-    """`vllm bench serve` against srv; `run` numbers the result file of a repeated level."""
-    tag = f"{srv.label}-{wl.name}-c{c}".replace("[", "-").replace("]", "") + (f"-r{run}" if run else "")
+def vllm_bench(args: argparse.Namespace, srv: Server, wl: Workload, n: int, c: int, work: Path, run: int = 1) -> Row:
+    """`vllm bench serve` against srv in round `run` (from 1; later rounds name their result files)."""
+    tag = f"{srv.label}-{wl.name}-c{c}".replace("[", "-").replace("]", "") + (f"-r{run}" if run > 1 else "")
     argv = [
         str(args.venv / "bin" / "vllm"),
         "bench",

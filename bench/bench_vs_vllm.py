@@ -299,7 +299,7 @@ def main() -> None:
         return srv
 
     def measure(srv: Server, wl: Workload, c: int, run: int, idle: list[Server]) -> None:
-        """One level on srv (`run`: its round, 0 when there is one); the servers in `idle` wait."""
+        """One level on srv in round `run` (from 1); the servers in `idle` wait."""
         info = rep["systems"][srv.label]
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
         idle_cpu0, t0 = sum(tree_cpu_s(s.proc.pid) for s in idle), time.monotonic()
@@ -315,7 +315,7 @@ def main() -> None:
             info["errors"].append(f"{wl.name} c={c}: {e}")
             return
         wall = time.monotonic() - t0
-        m = {"system": srv.label, "workload": wl.name, "concurrency": c, "num_prompts": n, "round": max(run, 1), **m}
+        m = {"system": srv.label, "workload": wl.name, "concurrency": c, "num_prompts": n, "round": run, **m}
         # the server's process tree's CPU per output token (the client's is not comparable:
         # `vllm bench serve` spends ~10 s of CPU importing and building its dataset per run)
         m["server_cpu_us_per_token"] = (tree_cpu_s(srv.proc.pid) - server_cpu0) / max(m["total_output_tokens"], 1) * 1e6
@@ -323,8 +323,9 @@ def main() -> None:
             m["neighbours_cpu_cores"] = (sum(tree_cpu_s(s.proc.pid) for s in idle) - idle_cpu0) / wall
         m["issues"] = check(m, n, wl)
         rep["results"].append(m)
+        where = f"{wl.name} c={c}" + (f" round {run}" if args.rounds > 1 else "")
         print(
-            f"[{srv.label}] {wl.name} c={c}{f' round {run}' if run else ''}: {m['out_tok_s']:.1f} out tok/s,"
+            f"[{srv.label}] {where}: {m['out_tok_s']:.1f} out tok/s,"
             f" TPOT p50 {m['tpot_p50_ms']:.1f} ms, TTFT p50 {m['ttft_p50_ms']:.1f} ms  {'; '.join(m['issues'])}",
             flush=True,
         )
@@ -394,7 +395,7 @@ def main() -> None:
                     continue
                 for wl in workloads:
                     for c in args.levels:
-                        measure(srv, wl, c, 0, [])
+                        measure(srv, wl, c, 1, [])
                 if label == "meshlm" and not args.no_engine:
                     ring_run(srv)
                 stop(srv.proc)

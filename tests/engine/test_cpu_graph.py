@@ -101,10 +101,21 @@ class CheckedPlan:
 
 
 def _checked(
-    path: str, golden: list[Golden], batches: list[int], max_rows: int | None = None, dtype: str = "bfloat16"
+    path: str,
+    golden: list[Golden],
+    batches: list[int],
+    max_rows: int | None = None,
+    dtype: str = "bfloat16",
+    kv_cache_dtype: str = "auto",
 ) -> CheckedPlan:
     """An engine whose decode steps go through CheckedPlan; every run ends with whole pools."""
-    flags = {"model_path": path, "dtype": dtype, "load_progress": False, "max_total_tokens": 8192}
+    flags = {
+        "model_path": path,
+        "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype,
+        "load_progress": False,
+        "max_total_tokens": 8192,
+    }
     with Engine(**flags) as eng:
         runner = eng.scheduler.tp_worker.model_runner
         plan = runner.graph_runner if max_rows is None else CpuGraphRunner(runner, max_rows)
@@ -224,3 +235,11 @@ def test_smollm2_float32_plan_matches_eager(smollm_path: str, smollm_tokenizer) 
     kinds = {op.kind for op in checked.plan.plan.ops}
     assert {dp.GEMV_Q4_1, dp.GEMM_Q} <= kinds
     assert set(range(1, 12)) <= set(checked.sizes)
+
+
+def test_float32_plan_over_a_bf16_kv_pool_matches_eager(tiny: tuple[str, list[Golden]]) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: the plan stores and reads the bf16 pool
+    as the eager forward does (its decode kernel rounds the new K/V in C, the eager one too)."""
+    checked = _checked(*tiny, [1, 3], dtype="float32", kv_cache_dtype="bfloat16")
+    assert checked.runner.token_to_kv_pool.dtype == torch.bfloat16
+    assert {1, 2, 3} <= set(checked.sizes)

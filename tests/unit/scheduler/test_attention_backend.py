@@ -303,3 +303,37 @@ def test_cpu_kernel_bf16_query_and_output(dim: int) -> None:
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
     with pytest.raises(ValueError, match="out_dtype"):
         kernel(q, *args, out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80])
+def test_cpu_kernel_float32_rows_into_a_bf16_pool(dim: int) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: the decode kernel stores float32 K/V
+    rounded as Tensor.to rounds, and a float32 query over the bf16 pool (the AVX-512 float32
+    path for D 64 and 128, the converting path otherwise) gives bit for bit what it gives over a
+    float32 pool holding the same values."""
+    kernel = _cpu_backend().kernel
+    torch.manual_seed(2)
+    heads, kv_heads, lens = 9, 3, [1, 17, 300, 60]
+    pool = MHATokenToKVPool(sum(lens) + 8, 1, torch.bfloat16, kv_heads, dim, 1)
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape))
+    table = ReqToTokenPool(len(lens) + 1, max(lens) + 1)
+    perm, at = torch.randperm(sum(lens)) + 1, 0
+    for i, n in enumerate(lens):
+        table.req_to_token[i + 1, :n] = perm[at : at + n]
+        at += n
+    rows, seq = torch.arange(1, len(lens) + 1), torch.tensor(lens)
+    loc = table.req_to_token[rows, seq - 1].clone()  # each request's newest token
+    new_k, new_v = torch.randn(len(lens), kv_heads, dim), torch.randn(len(lens), kv_heads, dim)
+    q = torch.randn(len(lens), heads, dim)
+    k_buf, v_buf = pool.k_buffer[0], pool.v_buffer[0]
+    got = kernel(q, k_buf, v_buf, table.req_to_token, rows, seq, dim**-0.5, new_kv=(new_k, new_v, loc))
+    assert torch.equal(k_buf[loc], new_k.bfloat16()) and torch.equal(v_buf[loc], new_v.bfloat16())
+    want = kernel(q, k_buf.float(), v_buf.float(), table.req_to_token, rows, seq, dim**-0.5)
+    assert torch.equal(got, want)
+    keys = k_buf[table.req_to_token[2, :17]].double().repeat_interleave(heads // kv_heads, dim=1)
+    vals = v_buf[table.req_to_token[2, :17]].double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("hd,nhd->hn", q[1].double(), keys) * dim**-0.5
+    torch.testing.assert_close(got[1].double(), torch.einsum("hn,nhd->hd", scores.softmax(-1), vals), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="float32 for a bfloat16 pool"):
+        kernel(q, k_buf, v_buf, table.req_to_token, rows, seq, 1.0, new_kv=(new_k.half(), new_v.half(), loc))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshlm.scheduler.attention.cpu_kernel import SUPPORTED_KV_DTYPES, DecodeKernel
+from meshlm.scheduler.attention.cpu_kernel import SUPPORTED_KV_DTYPES, DecodeKernel, storable
 from meshlm.scheduler.attention.extend_kernel import AmxExtendKernel, ExtendKernel, ExtendSegments
 from meshlm.scheduler.attention.torch_native import ExtendMeta, TorchNativeAttnBackend, extend_meta
 from meshlm.scheduler.model_executor.forward_batch_info import ForwardMode
@@ -141,7 +141,12 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         meta, pool = fb.attn_metadata, fb.token_to_kv_pool
         if isinstance(meta, _SplitExtendMeta) and pool is not None and fb.out_cache_loc is not None:
             return self._split_extend(q, k, v, layer, fb, meta)
-        if not isinstance(meta, _FusedDecodeMeta) or pool is None or k.dtype != pool.dtype or fb.out_cache_loc is None:
+        if (
+            not isinstance(meta, _FusedDecodeMeta)
+            or pool is None
+            or fb.out_cache_loc is None
+            or not storable(k.dtype, pool.dtype)
+        ):
             return super().forward(q, k, v, layer, fb)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         out_dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32

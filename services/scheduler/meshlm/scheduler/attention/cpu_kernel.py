@@ -15,12 +15,18 @@ import torch
 
 from meshlm.scheduler.kernels.build import KernelUnavailable, load_library
 
-__all__ = ["DecodeKernel", "KernelUnavailable", "SUPPORTED_KV_DTYPES", "load_decode_kernel"]
+__all__ = ["DecodeKernel", "KernelUnavailable", "SUPPORTED_KV_DTYPES", "load_decode_kernel", "storable"]
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kv_dtype of the C kernels
 SUPPORTED_KV_DTYPES = tuple(KV_DTYPE_CODES)
 Q_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q_dtype / out_dtype of the decode kernel
+
+
+def storable(new: torch.dtype, pool: torch.dtype) -> bool:
+    """Whether the decode kernel stores new K/V rows of dtype `new` into a pool of `pool`: the
+    pool's own dtype, or float32 rows rounded into a bf16 pool (--kv-cache-dtype bfloat16)."""
+    return new == pool or (new == torch.float32 and pool == torch.bfloat16)
 
 
 def check_pool(k_buf: torch.Tensor, v_buf: torch.Tensor, d: int) -> int:
@@ -95,6 +101,7 @@ class DecodeKernel:
             i64,
             p,
             c_int,
+            c_int,
         ]
         fn.restype = c_int
         self._fn = fn
@@ -121,9 +128,10 @@ class DecodeKernel:
         is converted to float32) over the first lens[b] slots of req_to_token[rows[b]], reading
         k_buf/v_buf [slots, Hkv, D] in place. Returns [B, H, D] of out_dtype (float32 or
         bfloat16; computed in float32, rounded once). With new_kv = (k [B, Hkv, D],
-        v [B, Hkv, D], loc [B]) in the pool's dtype, request b first writes its new K/V into
-        slot loc[b] (the store of the decode step). A row, length or slot out of range raises
-        IndexError (checked in C before any KV is read or written)."""
+        v [B, Hkv, D], loc [B]) in the pool's dtype (or float32 for a bf16 pool: rounded to
+        nearest even, as Tensor.to rounds), request b first writes its new K/V into slot loc[b]
+        (the store of the decode step). A row, length or slot out of range raises IndexError
+        (checked in C before any KV is read or written)."""
         b, h, d = q.shape
         hkv = check_pool(k_buf, v_buf, d)
         check_table(req_to_token)
@@ -136,11 +144,16 @@ class DecodeKernel:
         rows = rows.to(torch.int64).contiguous()
         lens = lens.to(torch.int64).contiguous()
         store: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+        new_code = KV_DTYPE_CODES[k_buf.dtype]
         if new_kv is not None:
             nk, nv, loc = new_kv
             for name, t in (("new k", nk), ("new v", nv)):
-                if t.dtype != k_buf.dtype or not self._rows_of_heads(t, hkv, d) or t.shape[0] != b:
-                    raise ValueError(f"{name} must be [{b}, {hkv}, {d}] rows of the pool's dtype {k_buf.dtype}")
+                if not storable(t.dtype, k_buf.dtype) or not self._rows_of_heads(t, hkv, d) or t.shape[0] != b:
+                    raise ValueError(
+                        f"{name} must be [{b}, {hkv}, {d}] rows of the pool's dtype {k_buf.dtype} "
+                        "(or float32 for a bfloat16 pool)"
+                    )
+            new_code = KV_DTYPE_CODES[nk.dtype]
             loc = loc.to(torch.int64).contiguous()
             if loc.shape != (b,):
                 raise ValueError(f"loc must be [{b}], got {tuple(loc.shape)}")
@@ -170,6 +183,7 @@ class DecodeKernel:
             torch.get_num_threads(),
             *store,
             int(self.amx),
+            new_code,
         )
         raise_for_status(rc, "decode", f"heads/dim (H={h}, Hkv={hkv}, D={d})", "a request", req_to_token, k_buf)
         return out

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from meshlm.scheduler.attention.cpu_kernel import KV_DTYPE_CODES
 from meshlm.scheduler.kernels.build import load_library
 from meshlm.scheduler.kernels.cpu_ops import DTYPE_CODES
 from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
@@ -211,8 +212,9 @@ class AttnArgs:
 
 def decode_attn_op(k: DecodeKernel, qkv: torch.Tensor, h: int, hkv: int, d: int, a: AttnArgs, out: torch.Tensor) -> Op:
     """DecodeKernel(q, ..., new_kv=(k, v, loc), out_dtype=out.dtype) with q, k and v the heads
-    of the rows of qkv ([q | k | v], heads d apart), into out [B, h * d] (float32 or bf16)."""
-    kv_code = 1 if a.k_buf.dtype == torch.bfloat16 else 0 if a.k_buf.dtype == torch.float32 else 2
+    of the rows of qkv ([q | k | v], heads d apart), into out [B, h * d] (float32 or bf16). The
+    pool is of qkv's dtype, or bf16 under a float32 qkv (the kernel rounds the new rows)."""
+    kv_code, new_code = KV_DTYPE_CODES[a.k_buf.dtype], KV_DTYPE_CODES[qkv.dtype]
     table = a.req_to_token
     args = (
         _ptr(qkv), dtype_code(qkv), qkv.stride(0),
@@ -220,6 +222,7 @@ def decode_attn_op(k: DecodeKernel, qkv: torch.Tensor, h: int, hkv: int, d: int,
         _ptr(table), table.shape[0], table.stride(0), _ptr(a.rows), _ptr(a.lens),
         h, hkv, d, _ptr(out), dtype_code(out), 0,  # slot 18: threads, given to the run
         _ptr(qkv, h * d), qkv.stride(0), _ptr(qkv, (h + hkv) * d), qkv.stride(0), _ptr(a.loc), int(k.amx),
+        new_code,
     )  # fmt: skip
     return Op(DECODE_ATTN, address(k._fn), args, a.scale)
 

@@ -23,8 +23,9 @@ their order are those of the eager forward, so the logits are the same bit for b
 
 The buffers have the model's dtype. The plan is used only where every such call has a C kernel:
 a float32 or bf16 model on CPU with the fused ops, tp_size 1, the CPU attention backend over a
-pool of the model's dtype, linears without a row-parallel bias, and batches up to the rows every
-linear's C kernels cover (max_rows). In bf16 those are the block GEMV, the AMX GEMM and the
+pool of the model's dtype (or a bf16 pool under a float32 model: --kv-cache-dtype bfloat16),
+linears without a row-parallel bias, and batches up to the rows every linear's C kernels cover
+(max_rows). In bf16 those are the block GEMV, the AMX GEMM and the
 panel GEMM; in float32 the GEMVs and, for a GGUF checkpoint's blocks, the block GEMM up to
 GEMM_MAX_ROWS (256) rows (a dense float32 weight: the GEMV's 4 rows; oneDNN, which prompt chunks
 and larger batches use, is not C-callable). Anything else runs eagerly.
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
+from meshlm.scheduler.attention.cpu_kernel import storable
 from meshlm.scheduler.kernels import decode_plan as dp
 from meshlm.scheduler.kernels.build import KernelUnavailable
 from meshlm.scheduler.kernels.gemm_q import GEMM_MAX_ROWS
@@ -98,7 +100,7 @@ class CpuGraphRunner:
             raise Unsupported("the fused CPU ops are off")
         if not isinstance(backend, CpuAttnBackend):
             raise Unsupported(f"attention backend {type(backend).__name__}")
-        if runner.token_to_kv_pool.dtype != runner.dtype:
+        if not storable(runner.dtype, runner.token_to_kv_pool.dtype):
             raise Unsupported(f"a {runner.token_to_kv_pool.dtype} KV pool under a {runner.dtype} model")
         self.runner, self.model, self.ops = runner, model, ops
         self.lib = dp.load_decode_plan_library()

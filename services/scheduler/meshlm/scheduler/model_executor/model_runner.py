@@ -67,6 +67,20 @@ def resolve_dtype(
     return parse_dtype(str(model.hf.get("torch_dtype") or model.hf.get("dtype") or "bfloat16"))
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's (auto), or bf16 (`bfloat16`), which under a model of
+    another dtype only the CPU kernels read (ValueError elsewhere)."""
+    if name == "auto" or parse_dtype(name) == dtype:
+        return dtype
+    kv = parse_dtype(name)
+    if device.type != "cpu" or (kv, dtype) != (torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"--kv-cache-dtype {name} under a {str(dtype).removeprefix('torch.')} model on {device.type}: "
+            "only a float32 model on CPU can keep a KV pool of another dtype (bfloat16)"
+        )
+    return kv
+
+
 def _dtype_reason(name: str, dtype: torch.dtype, device: torch.device) -> str:
     if name != "auto":
         return f"--dtype {name}"
@@ -252,7 +266,8 @@ class ModelRunner:
         cfg, mc = self.config, self.model_config
         kv_heads = max(1, mc.num_key_value_heads // self.tp.size)
         layers = 1 if mc.is_embedding else mc.num_hidden_layers
-        cell = MHATokenToKVPool.cell_size_bytes(kv_heads, mc.head_dim, layers, self.dtype)
+        kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, self.device)
+        cell = MHATokenToKVPool.cell_size_bytes(kv_heads, mc.head_dim, layers, kv_dtype)
         total = cfg.max_total_tokens or self._kv_budget_bytes() // cell
         if mc.is_embedding and cfg.max_total_tokens is None:
             total = min(total, EMBEDDING_MAX_TOTAL_TOKENS)  # encoders keep no KV between steps
@@ -265,13 +280,14 @@ class ModelRunner:
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running, mc.context_len + 4, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            total, cfg.page_size, self.dtype, kv_heads, mc.head_dim, layers, self.device
+            total, cfg.page_size, kv_dtype, kv_heads, mc.head_dim, layers, self.device
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, cfg.page_size, self.device)
         logger.info(
-            "KV pool: %d tokens (%.2f GiB), max_running_requests=%d, page_size=%d, in %.2fs",
+            "KV pool: %d tokens (%.2f GiB, %s), max_running_requests=%d, page_size=%d, in %.2fs",
             total,
             total * cell / (1 << 30),
+            str(kv_dtype).removeprefix("torch."),
             max_running,
             cfg.page_size,
             time.perf_counter() - t0,

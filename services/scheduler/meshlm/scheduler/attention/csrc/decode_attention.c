@@ -510,31 +510,40 @@ static inline __attribute__((always_inline)) void one_request_bf16(
 }
 #endif
 
-/* The rows of keys t0 .. t0 + BLOCK - 1 of a float32 pool (past the last key: key t0 again,
- * as block_rows); returns the block's real key count. Nothing is prefetched here: the passes
- * spread the next block's prefetches over their work. */
-static inline int block_rows_f32(const float *pool, int64_t tok_stride, const int64_t *slots, int64_t L, int64_t t0,
-                                 const float *rows[BLOCK]) {
+/* The rows of keys t0 .. t0 + BLOCK - 1 of a pool of `elem`-byte values (past the last key:
+ * key t0 again, as block_rows); returns the block's real key count. Nothing is prefetched here:
+ * the passes spread the next block's prefetches over their work. */
+static inline int block_rows_f32(const void *pool, int elem, int64_t tok_stride, const int64_t *slots, int64_t L,
+                                 int64_t t0, const char *rows[BLOCK]) {
     const int n = L - t0 < BLOCK ? (int)(L - t0) : BLOCK;
-    for (int i = 0; i < BLOCK; i++) rows[i] = pool + slots[t0 + (i < n ? i : 0)] * tok_stride;
+    for (int i = 0; i < BLOCK; i++) rows[i] = (const char *)pool + slots[t0 + (i < n ? i : 0)] * tok_stride * elem;
     return n;
 }
 
-/* one_request for a float32 query over a float32 pool with D = 16 * C (64 or 128) on AVX-512:
- * the shape of one_request_bf16 without bf16. Scores BLOCK keys at a time (one accumulator
- * per key, C FMAs, then hsum16 turns the 16 accumulators into 16 scores at once, where
- * one_request reduces each dot product on its own), the softmax left unnormalised, and the
- * values of GP query heads of a group summed in registers over a block's keys (the output
- * loaded and stored once a block instead of once a key); the division once a head at the end.
- * Only the order of the float32 sums differs from one_request. */
+/* 16 pool values starting `off` values into `row` as float32: a float32 pool (kvb 0) loaded,
+ * a bf16 one (kvb 1) widened exactly. kvb is a constant at every call, so each instance of
+ * one_request_f32 has one kind of load. */
+static inline __attribute__((always_inline)) __m512 load16(const char *row, int64_t off, const int kvb) {
+    return kvb ? bf16x16_to_f32((const uint16_t *)row + off) : _mm512_loadu_ps((const float *)row + off);
+}
+
+/* one_request for a float32 query over a float32 pool (kvb 0) or a bf16 one (kvb 1, the
+ * float32 model with --kv-cache-dtype bfloat16: half the bytes read, each value widened exactly
+ * in registers) with D = 16 * C (64 or 128) on AVX-512: the shape of one_request_bf16 without
+ * bf16 arithmetic. Scores BLOCK keys at a time (one accumulator per key, C FMAs, then hsum16
+ * turns the 16 accumulators into 16 scores at once, where one_request reduces each dot product
+ * on its own), the softmax left unnormalised, and the values of GP query heads of a group
+ * summed in registers over a block's keys (the output loaded and stored once a block instead
+ * of once a key); the division once a head at the end. Only the order of the float32 sums
+ * differs from one_request. */
 static inline __attribute__((always_inline)) void one_request_f32(
-    const float *q, const float *k, const float *v, int64_t tok_stride, const int64_t *slots, int64_t L, int H,
-    int Hkv, const int C, const int GP, float scale, float *out, float *scores, float *inv) {
-    const int G = H / Hkv, D = 16 * C;
-    const int64_t row_bytes = (int64_t)Hkv * D * 4;
+    const float *q, const void *k, const void *v, const int kvb, int64_t tok_stride, const int64_t *slots, int64_t L,
+    int H, int Hkv, const int C, const int GP, float scale, float *out, float *scores, float *inv) {
+    const int G = H / Hkv, D = 16 * C, elem = kvb ? 2 : 4;
+    const int64_t row_bytes = (int64_t)Hkv * D * elem;
     for (int64_t t0 = 0; t0 < L; t0 += BLOCK) {
-        const float *rows[BLOCK];
-        const int n = block_rows_f32(k, tok_stride, slots, L, t0, rows);
+        const char *rows[BLOCK];
+        const int n = block_rows_f32(k, elem, tok_stride, slots, L, t0, rows);
         for (int h = 0; h < H; h++) {
             const int64_t kh = (int64_t)(h / G) * D;
             __m512 qv[8];
@@ -542,10 +551,10 @@ static inline __attribute__((always_inline)) void one_request_f32(
             __m512 acc[BLOCK];
             /* the next block's row h, h + H, ...: its rows spread over this block's heads */
             for (int i = h; i < BLOCK && t0 + BLOCK + i < L; i += H)
-                prefetch_row(k, slots[t0 + BLOCK + i] * tok_stride, row_bytes, 4);
+                prefetch_row(k, slots[t0 + BLOCK + i] * tok_stride, row_bytes, elem);
             for (int i = 0; i < BLOCK; i++) {
-                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[i] + kh));
-                for (int c = 1; c < C; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[i] + kh + 16 * c), a);
+                __m512 a = _mm512_mul_ps(qv[0], load16(rows[i], kh, kvb));
+                for (int c = 1; c < C; c++) a = _mm512_fmadd_ps(qv[c], load16(rows[i], kh + 16 * c, kvb), a);
                 acc[i] = a;
             }
             _mm512_mask_storeu_ps(scores + (int64_t)h * L + t0, (__mmask16)((1u << n) - 1), hsum16(acc));
@@ -554,9 +563,9 @@ static inline __attribute__((always_inline)) void one_request_f32(
     softmax_rows_unnormalised(scores, H, L, scale, inv);
     memset(out, 0, (size_t)H * D * sizeof(float));
     for (int64_t t0 = 0; t0 < L; t0 += BLOCK) {
-        const float *rows[BLOCK];
+        const char *rows[BLOCK];
         const int n = L - t0 < BLOCK ? (int)(L - t0) : BLOCK;
-        for (int i = 0; i < n; i++) rows[i] = v + slots[t0 + i] * tok_stride;
+        for (int i = 0; i < n; i++) rows[i] = (const char *)v + slots[t0 + i] * tok_stride * elem;
         for (int j = 0; j < Hkv; j++)
             for (int g0 = 0; g0 < G; g0 += GP) {
                 float *o = out + (int64_t)(j * G + g0) * D; /* query head j * G + g0 + g at o + g * D */
@@ -569,9 +578,9 @@ static inline __attribute__((always_inline)) void one_request_f32(
                     /* KV head j of the next block's row i: the block's prefetches spread over
                      * its keys and KV heads */
                     if (g0 == 0 && t0 + BLOCK + i < L)
-                        prefetch_row(v, slots[t0 + BLOCK + i] * tok_stride + (int64_t)j * D, (int64_t)D * 4, 4);
+                        prefetch_row(v, slots[t0 + BLOCK + i] * tok_stride + (int64_t)j * D, (int64_t)D * elem, elem);
                     __m512 vf[8];
-                    for (int c = 0; c < C; c++) vf[c] = _mm512_loadu_ps(rows[i] + (int64_t)j * D + 16 * c);
+                    for (int c = 0; c < C; c++) vf[c] = load16(rows[i], (int64_t)j * D + 16 * c, kvb);
                     for (int g = 0; g < GP; g++)
                         if (g0 + g < G) {
                             const __m512 pg = _mm512_set1_ps(p[(int64_t)g * L + i]);
@@ -602,14 +611,6 @@ static int bad_request(const int64_t *table, int64_t table_rows, int64_t table_s
     return 0;
 }
 
-/* The store half of a decode step: request b's new K and V rows (Hkv * D elements of the pool's
- * dtype, starting src_off elements into src) are copied to slot loc[b] before anything is read, so the
- * new token attends to itself. */
-static inline void store_row(void *pool, const void *src, int elem, int64_t tok_stride, int64_t slot,
-                             int64_t src_off, int n) {
-    memcpy((char *)pool + slot * tok_stride * elem, (const char *)src + src_off * elem, (size_t)n * elem);
-}
-
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
     union { uint32_t u; float f; } x;
     x.f = f;
@@ -617,10 +618,26 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
-/* Whether requests take one_request_f32: a float32 query over a float32 pool. */
+/* The store half of a decode step: request b's new K and V rows (n elements of new_dtype,
+ * starting src_off elements into src) are written to slot loc[b] before anything is read, so
+ * the new token attends to itself: copied where new_dtype is the pool's, rounded to nearest
+ * even where a float32 row goes to a bf16 pool (the only conversion the entry point accepts). */
+static inline void store_row(void *pool, int kv_dtype, const void *src, int new_dtype, int64_t tok_stride,
+                             int64_t slot, int64_t src_off, int n) {
+    const int elem = kv_dtype == 0 ? 4 : 2;
+    if (new_dtype == kv_dtype) {
+        memcpy((char *)pool + slot * tok_stride * elem, (const char *)src + src_off * elem, (size_t)n * elem);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)pool + slot * tok_stride;
+    const float *from = (const float *)src + src_off;
+    for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(from[i]);
+}
+
+/* Whether requests take one_request_f32: a float32 query over a float32 or bf16 pool. */
 static int f32_path(int kv_dtype, int q_dtype, int D) {
 #ifdef HAVE_AVX512
-    return kv_dtype == 0 && q_dtype == 0 && (D == 64 || D == 128);
+    return (kv_dtype == 0 || kv_dtype == 1) && q_dtype == 0 && (D == 64 || D == 128);
 #else
     (void)kv_dtype, (void)q_dtype, (void)D;
     return 0;
@@ -643,24 +660,26 @@ static int bf16_path(int kv_dtype, int q_dtype, int D) {
  *
  * q: request b's heads start at q + b * q_stride elements (heads D apart), of q_dtype; out is
  * of out_dtype. With new_k / new_v non-NULL, request b first stores its new K / V row (at
- * new_k + b * kn_stride, new_v + b * vn_stride, in the pool's dtype) into slot loc[b]. */
+ * new_k + b * kn_stride, new_v + b * vn_stride, of new_dtype: the pool's, or float32 for a bf16
+ * pool) into slot loc[b]. */
 int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, const void *k, const void *v,
                                   int kv_dtype, int64_t tok_stride, int64_t num_slots,
                                   const int64_t *table, int64_t table_rows, int64_t table_stride,
                                   const int64_t *rows, const int64_t *lens, int64_t B, int H, int Hkv,
                                   int D, float scale, void *out, int out_dtype, int num_threads,
                                   const void *new_k, int64_t kn_stride, const void *new_v, int64_t vn_stride,
-                                  const int64_t *loc, int use_amx) {
+                                  const int64_t *loc, int use_amx, int new_dtype) {
     if (H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || (q_dtype != 0 && q_dtype != 1) ||
         (out_dtype != 0 && out_dtype != 1))
         return 1;
+    if (new_k != NULL && new_dtype != kv_dtype && !(new_dtype == 0 && kv_dtype == 1)) return 1;
     for (int64_t b = 0; b < B; b++) {
         if (bad_request(table, table_rows, table_stride, num_slots, rows[b], lens[b])) return 3;
         if (new_k != NULL && (loc[b] < 0 || loc[b] >= num_slots)) return 3;
     }
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    const int elem = kv_dtype == 0 ? 4 : 2, fast = bf16_path(kv_dtype, q_dtype, D);
+    const int fast = bf16_path(kv_dtype, q_dtype, D);
     const int fast32 = f32_path(kv_dtype, q_dtype, D);
     const int64_t HD = (int64_t)H * D;
 #ifdef HAVE_AMX
@@ -696,8 +715,8 @@ int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, 
         for (int64_t b = 0; b < B; b++) {
             if (!ok) continue;
             if (new_k != NULL) { /* slots are distinct per request: no other thread touches loc[b] */
-                store_row((void *)k, new_k, elem, tok_stride, loc[b], b * kn_stride, Hkv * D);
-                store_row((void *)v, new_v, elem, tok_stride, loc[b], b * vn_stride, Hkv * D);
+                store_row((void *)k, kv_dtype, new_k, new_dtype, tok_stride, loc[b], b * kn_stride, Hkv * D);
+                store_row((void *)v, kv_dtype, new_v, new_dtype, tok_stride, loc[b], b * vn_stride, Hkv * D);
             }
             const int64_t *slots = table + rows[b] * table_stride;
             float *ob = out_dtype == 0 ? (float *)out + b * HD : of;
@@ -712,10 +731,15 @@ int meshlm_decode_attention_store(const void *q, int q_dtype, int64_t q_stride, 
             } else if (fast32) {
 #ifdef HAVE_AVX512
                 const float *qb = (const float *)q + b * q_stride;
-                if (D == 64)
-                    one_request_f32(qb, k, v, tok_stride, slots, lens[b], H, Hkv, 4, 4, scale, ob, scores, inv);
+                /* one instance per pool dtype and head dim: constants the loops unroll over */
+                if (kv_dtype == 0 && D == 64)
+                    one_request_f32(qb, k, v, 0, tok_stride, slots, lens[b], H, Hkv, 4, 4, scale, ob, scores, inv);
+                else if (kv_dtype == 0)
+                    one_request_f32(qb, k, v, 0, tok_stride, slots, lens[b], H, Hkv, 8, 2, scale, ob, scores, inv);
+                else if (D == 64)
+                    one_request_f32(qb, k, v, 1, tok_stride, slots, lens[b], H, Hkv, 4, 4, scale, ob, scores, inv);
                 else
-                    one_request_f32(qb, k, v, tok_stride, slots, lens[b], H, Hkv, 8, 2, scale, ob, scores, inv);
+                    one_request_f32(qb, k, v, 1, tok_stride, slots, lens[b], H, Hkv, 8, 2, scale, ob, scores, inv);
 #endif
             } else {
                 const float *qb = (const float *)q + b * q_stride;

@@ -56,7 +56,7 @@ typedef int (*gemv_bf16_fn)(const uint16_t *, int64_t, const float *, const floa
 typedef int (*decode_attn_fn)(const void *, int, int64_t, const void *, const void *, int, int64_t, int64_t,
                               const int64_t *, int64_t, int64_t, const int64_t *, const int64_t *, int64_t, int, int,
                               int, float, void *, int, int, const void *, int64_t, const void *, int64_t,
-                              const int64_t *, int);
+                              const int64_t *, int, int);
 
 typedef int (*gemv_f32_fn)(const float *, int64_t, const float *, const float *, float *, int, int64_t, int, int);
 typedef int (*gemv_q4_1_fn)(const float *, int64_t, const float *, const float *, const uint8_t *, const float *,
@@ -89,7 +89,7 @@ static int run_op(const meshlm_op *op, int64_t m, int nt) {
     case OP_DECODE_ATTN:
         return ((decode_attn_fn)op->fn)(P(0), (int)a[1], a[2], P(3), P(4), (int)a[5], a[6], a[7], P(8), a[9], a[10],
                                         P(11), P(12), m, (int)a[13], (int)a[14], (int)a[15], op->f, P(16),
-                                        (int)a[17], nt, P(19), a[20], P(21), a[22], P(23), (int)a[24]);
+                                        (int)a[17], nt, P(19), a[20], P(21), a[22], P(23), (int)a[24], (int)a[25]);
     case OP_GEMV_F32:
         return ((gemv_f32_fn)op->fn)(P(0), a[1], P(2), P(3), P(4), (int)m, a[5], (int)a[6], nt);
     case OP_GEMV_Q4_1:

@@ -14,6 +14,11 @@ per layer, the KV bytes read per second, and the ratio torch_native / cpu.
 
 `--baseline-rev REV` also builds the kernel as it was at git revision REV and times it on the
 same pool in the same run, alternating with the current one, and prints current / baseline.
+`--bf16-kv` (with `--dtype float32`) also times the kernel over a bf16 pool of the same layout
+with float32 queries and new K/V (`--kv-cache-dtype bfloat16` under a float32 model), alternating
+with the float32 pool, and prints bf16 pool / float32 pool.
+
+    python bench/bench_attention.py --batch 16 64 --context 320 1024 --threads 2 --bf16-kv
 """
 
 from __future__ import annotations
@@ -70,10 +75,13 @@ def build(
     return fb, [RadixAttention(heads, dim, dim**-0.5, kv_heads, layer) for layer in range(layers)]
 
 
-def time_step(backend, fb: ForwardBatch, attn: list[RadixAttention], repeats: int) -> float:
-    """Best-of-`repeats` seconds per layer of a full pass over all layers."""
+def time_step(
+    backend, fb: ForwardBatch, attn: list[RadixAttention], repeats: int, act: torch.dtype | None = None
+) -> float:
+    """Best-of-`repeats` seconds per layer of a full pass over all layers; q and the new K/V
+    of `act` (default: the pool's dtype)."""
     b, heads, kv_heads, dim = fb.batch_size, attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim
-    dtype = fb.token_to_kv_pool.dtype
+    dtype = act or fb.token_to_kv_pool.dtype
     q = torch.randn(b, heads, dim).to(dtype)
     k, v = torch.randn(b, kv_heads, dim).to(dtype), torch.randn(b, kv_heads, dim).to(dtype)
     best = float("inf")
@@ -99,7 +107,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline-rev", help="also time the kernel as of this git revision (same run)")
+    p.add_argument("--bf16-kv", action="store_true", help="float32: also a bf16 pool under float32 queries")
     args = p.parse_args()
+    if args.bf16_kv and args.dtype != "float32":
+        p.error("--bf16-kv compares against a float32 pool: use it with --dtype float32")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -115,6 +126,7 @@ def main() -> None:
         f"{args.dtype}, threads {args.threads}"
     )
     extra = f" {args.baseline_rev + ' ms/layer':>18} {'cpu / it':>9}" if base else ""
+    extra += f" {'bf16 KV ms/layer':>17} {'bf16 / f32':>10}" if args.bf16_kv else ""
     head = f"{'batch':>6} {'context':>10} {'torch ms/layer':>15} {'cpu ms/layer':>13} {'cpu GB/s':>9} {'ratio':>7}"
     print(head + extra)
     cases = [(b, [c] * b, str(c)) for b in args.batch for c in args.context]
@@ -128,15 +140,24 @@ def main() -> None:
     for b, lens, label in cases:
         fb, attn = build(lens, min(64, min(lens) - 1), args.layers, args.heads, args.kv_heads, args.head_dim, dtype)
         t_ref = time_step(ref, fb, attn, args.repeats)
-        t_cpu, t_base = float("inf"), float("inf")
-        for _ in range(3 if base else 1):  # alternate, so drift hits both kernels alike
+        t_cpu, t_base, t_bf16 = float("inf"), float("inf"), float("inf")
+        fb16 = None
+        if args.bf16_kv:
+            fb16, _ = build(
+                lens, min(64, min(lens) - 1), args.layers, args.heads, args.kv_heads, args.head_dim, torch.bfloat16
+            )
+        for _ in range(3 if base or fb16 else 1):  # alternate, so drift hits both kernels alike
             t_cpu = min(t_cpu, time_step(cpu, fb, attn, args.repeats))
             if base:
                 t_base = min(t_base, time_step(base, fb, attn, args.repeats))
+            if fb16 is not None:
+                t_bf16 = min(t_bf16, time_step(cpu, fb16, attn, args.repeats, act=torch.float32))
         gbs = 2 * sum(lens) * args.kv_heads * args.head_dim * elem / t_cpu / 1e9
         row = f"{b:>6} {label:>10} {t_ref * 1e3:>15.2f} {t_cpu * 1e3:>13.2f} {gbs:>9.1f} {t_ref / t_cpu:>6.2f}x"
         if base:
             row += f" {t_base * 1e3:>18.2f} {t_cpu / t_base:>8.2f}x"
+        if fb16 is not None:
+            row += f" {t_bf16 * 1e3:>17.2f} {t_bf16 / t_cpu:>9.2f}x"
         print(row)
 
 

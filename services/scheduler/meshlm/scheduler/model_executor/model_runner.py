@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 
 from meshlm.scheduler.attention import create_backend
+from meshlm.scheduler.attention.cpu_kernel import storable
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
@@ -69,11 +70,12 @@ def resolve_dtype(
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV pool's dtype: the model's (auto), or bf16 (`bfloat16`), which under a model of
-    another dtype only the CPU kernels read (ValueError elsewhere)."""
-    if name == "auto" or parse_dtype(name) == dtype:
+    another dtype only the CPU kernels read (ValueError elsewhere; which mix they read is
+    cpu_kernel.storable's rule, the one the decode kernel and the decode plan check)."""
+    kv = dtype if name == "auto" else parse_dtype(name)
+    if kv == dtype:
         return dtype
-    kv = parse_dtype(name)
-    if device.type != "cpu" or (kv, dtype) != (torch.bfloat16, torch.float32):
+    if device.type != "cpu" or not storable(dtype, kv):
         raise ValueError(
             f"--kv-cache-dtype {name} under a {str(dtype).removeprefix('torch.')} model on {device.type}: "
             "only a float32 model on CPU can keep a KV pool of another dtype (bfloat16)"

@@ -5,9 +5,11 @@ no module-level mutable state (the radix cache's clock included)."""
 from __future__ import annotations
 
 import ast
+import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import meshlm.scheduler.disaggregation as disaggregation_pkg
@@ -15,6 +17,7 @@ import meshlm.scheduler.managers as managers_pkg
 import meshlm.scheduler.mem_cache as mem_cache_pkg
 from meshlm.common.finish import AbortStatus
 from meshlm.scheduler.config import SchedulerConfig
+from meshlm.scheduler.managers.batch_log import BatchLog, PrefillCounts
 from meshlm.scheduler.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -144,6 +147,28 @@ def test_a_long_prompt_is_chunked_and_continued_first() -> None:
     assert nxt is not None and nxt.reqs[0] is long and len(long.fill_ids) == 32
 
 
+def test_a_chunked_prompt_counts_once_and_its_own_chunks_are_not_cache_hits() -> None:
+    parts, _, _ = build(512, 4, chunked_prefill_size=16)
+    tree = parts.memory.tree_cache
+    warm = req("warm", list(range(10, 18)) + [1])
+    prefill_directly(parts, [warm])  # 8 prompt tokens of the next request are cached
+    long = req("long", list(range(10, 50)))
+    parts.state.waiting_queue.append(long)
+    hits = []
+    while True:
+        batch = parts.prefill.get_new_batch_prefill()
+        if batch is None:
+            break
+        hits.append(batch.cached_tokens)
+        if long.is_chunked:
+            tree.cache_unfinished_req(long, chunked=True)
+        else:
+            break
+    assert hits == [8, 0, 0]  # 8 cached + 12, then 16, then the last 4 (after its own chunks)
+    assert parts.stats.prompt_tokens == 40 and parts.stats.cached_tokens == 8
+    assert long.cached_tokens == 8
+
+
 def test_the_chunk_is_bounded_per_request_while_requests_decode() -> None:
     parts, _, _ = build(4096, 1, chunked_prefill_size=1024, prefill_chunk_per_req=32)
     budget = parts.prefill.chunk_budget
@@ -174,6 +199,45 @@ def test_a_prompt_arriving_while_requests_decode_is_prefilled_in_bounded_chunks(
         alone.state.waiting_queue.append(long2)
         assert alone.prefill.get_new_batch_prefill() is not None
         assert alone.state.chunked_req is None and len(long2.fill_ids) == 400
+
+
+# ---- BatchLog -----------------------------------------------------------------------------------
+def test_batch_log_lines_count_the_prefill_and_decode_batches(caplog: pytest.LogCaptureFixture) -> None:
+    parts, _, _ = build(512, 1, chunked_prefill_size=1024)
+    running = [req(f"r{i}", list(range(10 + i, 20 + i)), max_new=50) for i in range(3)]
+    prefill_directly(parts, running)  # 3 x 11 slots held (prompt + first token)
+    waiting = [req("a", list(range(200, 230))), req("b", list(range(300, 340)))]
+    parts.state.waiting_queue.extend(waiting)
+    batch_log = BatchLog(parts.memory, parts.state, decode_log_interval=2)
+    caplog.set_level(logging.INFO, logger="meshlm.scheduler")
+    batch = parts.prefill.get_new_batch_prefill()  # mixed: the 3 running requests ride along
+    assert batch is not None
+    counts = PrefillCounts.of(batch, parts.state)
+    assert counts == PrefillCounts(new_seqs=2, new_tokens=70, cached_tokens=0, mixed_decode=3, running=3)
+    batch_log.prefill(counts, forward_s=0.25)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("Prefill batch. #new-seq: 2, #new-token: 70, #cached-token: 0, #mixed-decode: 3,")
+    assert "#running-req: 3, #queue-req: 0, forward: 250 ms" in line
+    used = parts.memory.num_used_tokens()
+    assert f"token usage: {used / parts.memory.max_total_num_tokens:.2f}" in line
+
+    caplog.clear()
+    decode = parts.memory.new_batch(running)
+    decode.prepare_for_decode()
+    for _ in range(5):
+        batch_log.decode(decode, forward_s=0.04)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2  # steps 2 and 4
+    assert all(m.startswith("Decode batch. #running-req: 3, #token: ") for m in lines)
+    assert all(m.endswith("#queue-req: 0, forward: 40 ms") for m in lines)
+
+    caplog.clear()
+    quiet = BatchLog(parts.memory, parts.state, decode_log_interval=0)
+    for _ in range(5):
+        quiet.decode(decode, forward_s=0.04)
+    assert caplog.records == []
+    with pytest.raises(ValueError, match="decode_log_interval must be >= 0, got -1"):
+        BatchLog(parts.memory, parts.state, decode_log_interval=-1)
 
 
 # ---- Retractor ----------------------------------------------------------------------------------

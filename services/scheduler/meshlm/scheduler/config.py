@@ -45,6 +45,7 @@ class SchedulerConfig:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     stream_interval: int = 1
+    decode_log_interval: int = 40  # a "Decode batch." log line every N decode steps (0: none)
     max_queued_requests: int | None = None
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None  # CUDA: decode graphs up to this batch (None = 160, capped)
@@ -78,6 +79,7 @@ class SchedulerConfig:
         )
         need(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
+        need(self.decode_log_interval >= 0, f"decode_log_interval must be >= 0, got {self.decode_log_interval}")
         need(self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
         need(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         need(
@@ -165,6 +167,11 @@ class SchedulerConfig:
             "schedule_conservativeness": "scales the reserve kept for future decode tokens",
             "disable_radix_cache": "do not reuse KV of shared prefixes",
             "stream_interval": "emit streamed outputs every N tokens",
+            "decode_log_interval": (
+                "log a 'Decode batch.' line (running requests, KV usage, generation throughput, "
+                "forward ms) every N decode steps; every prefill batch gets a 'Prefill batch.' "
+                "line (SGLang's format plus the forward's ms); 0 = no decode lines"
+            ),
             "max_queued_requests": "reject new requests when this many wait (RESOURCE_EXHAUSTED)",
             "attention_backend": (
                 "attention implementation: auto (CPU: the fused C decode kernel when a C compiler "

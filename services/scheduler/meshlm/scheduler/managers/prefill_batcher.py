@@ -115,13 +115,19 @@ class PrefillBatcher:
         picked = {id(r) for r in adder.can_run_list}
         state.waiting_queue = [r for r in state.waiting_queue if id(r) not in picked]
         state.chunked_req = adder.new_chunked_req
+        cached = 0
         for req in adder.can_run_list:
+            # A request's first round (not a later chunk, not a retracted request's re-prefill
+            # nor a migrated one's: those hold outputs) is where its prompt and hits count.
+            first_round = not req.times.scheduled and not req.output_ids
             if not req.times.scheduled:
                 req.times.scheduled = time.time()
-            if req.is_chunked <= 1 and not req.output_ids:  # first time this prompt runs
+            if first_round:
                 req.cached_tokens = req.cache_protected_len
+                cached += req.cache_protected_len
                 self.stats.record_prefill(len(req.origin_input_ids), req.cache_protected_len)
         batch = self.memory.new_batch(adder.can_run_list)
+        batch.cached_tokens = cached
         batch.pending_fb = batch.prepare_for_extend(embed=embed)
         if mixing and not embed:
             running = state.running_batch

@@ -54,6 +54,9 @@ class ScheduleBatch:
         # Requests of a MIXED batch that were decoding (mix_with_running): they take one
         # decode step here and are not prefills.
         self.decoding_reqs: list[Req] = []
+        # Prompt tokens that the prefix cache held for this EXTEND batch's requests that run
+        # for the first time (a later chunk's own earlier chunks do not count).
+        self.cached_tokens = 0
 
     def is_empty(self) -> bool:
         return not self.reqs

@@ -36,6 +36,7 @@ import torch
 from meshlm.scheduler.config import SchedulerConfig
 from meshlm.scheduler.distributed import SINGLE, TpGroup
 from meshlm.scheduler.distributed.parallel_state import broadcast_pyobj
+from meshlm.scheduler.managers.batch_log import BatchLog, PrefillCounts
 from meshlm.scheduler.managers.grammar_manager import GrammarDecision
 from meshlm.scheduler.managers.io_struct import InputMessage, OpenSessionReq
 from meshlm.scheduler.managers.port import SchedulerPort
@@ -70,6 +71,7 @@ class Scheduler:
         self.memory, self.state, self.stats = memory, self.parts.state, self.parts.stats
         self.max_req_len = self.parts.max_req_len
         self.max_total_num_tokens = memory.max_total_num_tokens
+        self.batch_log = BatchLog(memory, self.state, config.decode_log_interval if tp.rank == 0 else 0)
         self._stop = threading.Event()
 
     # ---- the loop -------------------------------------------------------------------------
@@ -123,11 +125,15 @@ class Scheduler:
         t0 = time.perf_counter()
         batch = self.get_next_batch_to_run()
         if batch is not None:
+            counts = PrefillCounts.of(batch, self.state) if batch.forward_mode.is_extend() else None
             forward_s = self.run_batch(batch)
             if batch.forward_mode is ForwardMode.DECODE:
                 self.stats.record_decode(len(batch.reqs), forward_s, time.perf_counter() - t0)
+                self.batch_log.decode(batch, forward_s)
             elif batch.decoding_reqs:
                 self.stats.record_mixed_decode(len(batch.decoding_reqs))
+            if counts is not None and self.tp.rank == 0:
+                self.batch_log.prefill(counts, forward_s)
         else:
             self.on_idle()
         self.state.last_batch = batch

@@ -59,7 +59,7 @@ def _reference(q, k_buf, v_buf, table, seg: ExtendSegments, scale: float) -> tor
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
-    [(9, 3, 64), (8, 8, 128), (28, 4, 128), (4, 1, 16), (64, 1, 32), (2, 2, 256)],
+    [(9, 3, 64), (8, 8, 128), (28, 4, 128), (4, 1, 16), (64, 1, 32), (2, 2, 256), (6, 2, 80), (100, 1, 48)],
 )
 def test_matches_causal_attention_across_shapes(kernel: ExtendKernel, heads: int, kv_heads: int, dim: int) -> None:
     segments = [(0, 37), (130, 61), (5, 9), (0, 100)]  # prefixes over several key blocks, odd lengths

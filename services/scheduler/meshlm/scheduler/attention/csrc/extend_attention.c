@@ -16,13 +16,13 @@
  * so one pass over the keys serves all the heads of a KV group. Keys are taken KB at a time
  * (flash attention: a running max and sum per row, the output rescaled when the max grows):
  *   1. the block's K and V rows are gathered (and converted) into KBUF, VBUF [KB][D];
- *   2. S^T [KB][RS] = KBUF . QT, QT = the rows' queries, pre-scaled, packed as [RS/16][D][16];
+ *   2. S^T [KB][RS] = KBUF . QT, QT = the rows' queries, pre-scaled, packed as [RS/NR][D][NR];
  *   3. keys past a row's position are masked; exp(S - running max) in place;
  *   4. O [RS][D] += P . VBUF.
- * Steps 2 and 4 are the same register-blocked MR x 16 micro-kernel with 12 accumulators (AVX2:
- * 6 rows of two 8-float vectors; AVX-512: 12 rows of one 16-float vector, twice the FMA width),
- * so the scores never leave L1/L2 and the work is GEMM-shaped. Rows are padded to RS (a multiple
- * of lcm(MR, 16) = 48 for MR 6 or 12) and keys to a multiple of MR: padded queries are zero,
+ * Steps 2 and 4 are the same register-blocked MR x NR micro-kernel (AVX2: 6 rows of two 8-float
+ * vectors, 12 accumulators; AVX-512: 12 rows of two 16-float vectors, 24 accumulators), so the
+ * scores never leave L1/L2 and the work is GEMM-shaped. An item's rows are padded to RS, a
+ * multiple of 48 = lcm(MR, 16), and keys to a multiple of MR: padded queries are zero,
  * padded keys are masked, and neither is ever stored. Scores use a finite floor (NEG) instead of
  * -inf, since the fast build assumes finite math.
  */
@@ -36,12 +36,15 @@
 
 #if defined(HAVE_AVX2) && defined(__AVX512F__)
 #define HAVE_AVX512 1
-#define MR 12 /* rows of A per micro-kernel: one 16-float accumulator each */
+#define MR 12   /* rows of A per micro-kernel: two 16-float accumulators each */
+#define NR 32   /* columns of B per micro-kernel (a D that is 16 mod 32 ends in a 16-column tail) */
+#define ROWS 96 /* query rows per work item (QB = ROWS / G positions), lcm(MR, NR) */
 #else
-#define MR 6 /* rows of A per micro-kernel: two 8-float accumulators each */
+#define MR 6    /* rows of A per micro-kernel: two 8-float accumulators each */
+#define NR 16   /* columns of B per micro-kernel */
+#define ROWS 48 /* query rows per work item (QB = ROWS / G positions), lcm(MR, NR) */
 #endif
-#define NR 16      /* columns of B per micro-kernel */
-#define ROWS 48    /* query rows per work item (QB = ROWS / G positions), lcm(MR, NR) */
+#define RS_STEP 48 /* an item's rows are padded to a multiple of this: lcm(MR, 16) */
 #define KB 48      /* keys per block: a multiple of MR */
 #define NEG -1e30f /* score of a masked key: exp(NEG - m) underflows to 0 */
 
@@ -128,32 +131,51 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
-/* c[12][16] (+)= A . b over kc, the AVX-512 form of the micro-kernel below (same arguments). */
-static inline void micro_kernel(int kc, const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb,
-                                float *c, int64_t ldc, int acc) {
-    /* Twelve named accumulators: an array would be spilled to the stack at every k. */
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
-    __m512 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+/* c[12][32] (+)= A . b over kc, the AVX-512 form of the micro-kernel below (same arguments,
+ * b rows 32 floats): 24 accumulators, so each k issues 12 broadcasts and 2 loads for 24 FMAs and
+ * the FMA ports, not the load ports, set the pace (a 12 x 16 tile issues 13 loads for 12 FMAs
+ * and ran at half the FMA peak). */
+static inline __attribute__((always_inline)) void micro_kernel(int kc, const float *a, int64_t ars, int64_t aks,
+                                                               const float *b, int64_t ldb, float *c, int64_t ldc,
+                                                               int acc) {
+    __m512 lo[MR], hi[MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int k = 0; k < kc; k++) {
+        const __m512 b0 = _mm512_loadu_ps(b + k * ldb), b1 = _mm512_loadu_ps(b + k * ldb + 16);
+        const float *ak = a + k * aks;
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; r++) {
+            const __m512 av = _mm512_set1_ps(ak[r * ars]);
+            lo[r] = _mm512_fmadd_ps(av, b0, lo[r]);
+            hi[r] = _mm512_fmadd_ps(av, b1, hi[r]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; r++) {
+        float *cr = c + r * ldc;
+        _mm512_storeu_ps(cr, acc ? _mm512_add_ps(lo[r], _mm512_loadu_ps(cr)) : lo[r]);
+        _mm512_storeu_ps(cr + 16, acc ? _mm512_add_ps(hi[r], _mm512_loadu_ps(cr + 16)) : hi[r]);
+    }
+}
+
+/* The same over 16 columns of b: the tail of a head dim that is 16 mod 32. */
+static inline __attribute__((always_inline)) void micro_kernel16(int kc, const float *a, int64_t ars, int64_t aks,
+                                                                 const float *b, int64_t ldb, float *c, int64_t ldc,
+                                                                 int acc) {
+    __m512 cr_[MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; r++) cr_[r] = _mm512_setzero_ps();
     for (int k = 0; k < kc; k++) {
         const __m512 bv = _mm512_loadu_ps(b + k * ldb);
         const float *ak = a + k * aks;
-        c0 = _mm512_fmadd_ps(_mm512_set1_ps(ak[0]), bv, c0);
-        c1 = _mm512_fmadd_ps(_mm512_set1_ps(ak[ars]), bv, c1);
-        c2 = _mm512_fmadd_ps(_mm512_set1_ps(ak[2 * ars]), bv, c2);
-        c3 = _mm512_fmadd_ps(_mm512_set1_ps(ak[3 * ars]), bv, c3);
-        c4 = _mm512_fmadd_ps(_mm512_set1_ps(ak[4 * ars]), bv, c4);
-        c5 = _mm512_fmadd_ps(_mm512_set1_ps(ak[5 * ars]), bv, c5);
-        c6 = _mm512_fmadd_ps(_mm512_set1_ps(ak[6 * ars]), bv, c6);
-        c7 = _mm512_fmadd_ps(_mm512_set1_ps(ak[7 * ars]), bv, c7);
-        c8 = _mm512_fmadd_ps(_mm512_set1_ps(ak[8 * ars]), bv, c8);
-        c9 = _mm512_fmadd_ps(_mm512_set1_ps(ak[9 * ars]), bv, c9);
-        c10 = _mm512_fmadd_ps(_mm512_set1_ps(ak[10 * ars]), bv, c10);
-        c11 = _mm512_fmadd_ps(_mm512_set1_ps(ak[11 * ars]), bv, c11);
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; r++) cr_[r] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * ars]), bv, cr_[r]);
     }
-    const __m512 out[MR] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+#pragma GCC unroll 12
     for (int r = 0; r < MR; r++) {
         float *cr = c + r * ldc;
-        _mm512_storeu_ps(cr, acc ? _mm512_add_ps(out[r], _mm512_loadu_ps(cr)) : out[r]);
+        _mm512_storeu_ps(cr, acc ? _mm512_add_ps(cr_[r], _mm512_loadu_ps(cr)) : cr_[r]);
     }
 }
 #else
@@ -238,22 +260,28 @@ typedef struct {
     int g;               /* KV head */
 } item_t;
 
-/* One work item: rows of positions [a0, a1) of a segment, KV head g. */
-static void attend_block(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
+/* One work item: rows of positions [a0, a1) of a segment, KV head g. Inlined at each call so
+ * that a literal D reaches the micro-kernels: the K rows' stride is then an immediate offset of
+ * each broadcast (as a variable it took a register per row, and the rest spilled). */
+static inline __attribute__((always_inline)) void attend_block(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
                          int64_t tok_stride, const int64_t *slots, int64_t pre, int64_t q0, int64_t a0, int64_t a1,
-                         int g, int G, int D, int RS, float scale, float *out, int64_t out_stride,
-                         scratch_t *s) {
+                         int g, int G, int D, float scale, float *out, int64_t out_stride, scratch_t *s) {
     const int R = (int)(a1 - a0) * G;
+    /* Rows padded to a multiple of RS_STEP only: an item of few rows (a short segment, the end
+     * of a long one) is not padded to ROWS. QT's panels are NR wide but the last, which is 16
+     * wide when RS is 16 mod NR (AVX-512). */
+    const int RS = (R + RS_STEP - 1) / RS_STEP * RS_STEP;
     /* 1. queries: row r < R is position a0 + r / G, head g * G + r % G; rows >= R are zero and
      * see every key of the item (so they stay finite) */
     for (int r = 0; r < RS; r++) {
-        float *col = s->qt + (int64_t)(r / NR) * D * NR + r % NR;
+        const int p0 = r / NR * NR, w = RS - p0 < NR ? RS - p0 : NR;
+        float *col = s->qt + (int64_t)p0 * D + (r - p0);
         if (r < R) {
             const float *src = q + (q0 + a0 + r / G) * q_stride + (int64_t)(g * G + r % G) * D;
-            for (int d = 0; d < D; d++) col[d * NR] = src[d] * scale;
+            for (int d = 0; d < D; d++) col[d * w] = src[d] * scale;
             s->lim[r] = pre + a0 + r / G;
         } else {
-            for (int d = 0; d < D; d++) col[d * NR] = 0.f;
+            for (int d = 0; d < D; d++) col[d * w] = 0.f;
             s->lim[r] = pre + a1 - 1;
         }
         s->m[r] = NEG, s->l[r] = 0.f;
@@ -274,10 +302,17 @@ static void attend_block(const float *q, int64_t q_stride, const void *k, const 
             memset(s->vbuf + (int64_t)kb * D, 0, sizeof(float) * (kbp - kb) * D);
         }
         /* 2. S^T[j][r] = K_j . q_r */
-        for (int j0 = 0; j0 < kbp; j0 += MR)
-            for (int p = 0; p < RS / NR; p++)
-                micro_kernel(D, s->kbuf + (int64_t)j0 * D, D, 1, s->qt + (int64_t)p * D * NR, NR,
-                             s->st + (int64_t)j0 * RS + p * NR, RS, 0);
+        for (int j0 = 0; j0 < kbp; j0 += MR) {
+            int p0 = 0;
+            for (; p0 + NR <= RS; p0 += NR)
+                micro_kernel(D, s->kbuf + (int64_t)j0 * D, D, 1, s->qt + (int64_t)p0 * D, NR,
+                             s->st + (int64_t)j0 * RS + p0, RS, 0);
+#ifdef HAVE_AVX512
+            if (p0 < RS) /* the 16-wide last panel */
+                micro_kernel16(D, s->kbuf + (int64_t)j0 * D, D, 1, s->qt + (int64_t)p0 * D, 16,
+                               s->st + (int64_t)j0 * RS + p0, RS, 0);
+#endif
+        }
         /* 3. mask (only blocks reaching past the first row's position have masked keys),
          * running max, exp, running sum */
         if (k0 + kbp - 1 > pre + a0) {
@@ -325,9 +360,15 @@ static void attend_block(const float *q, int64_t q_stride, const void *k, const 
                 for (int d = 0; d < D; d++) orow[d] *= a;
             }
         /* 4. O[r] += sum_j P[j][r] V_j */
-        for (int r0 = 0; r0 < RS; r0 += MR)
-            for (int d0 = 0; d0 < D; d0 += NR)
+        for (int r0 = 0; r0 < RS; r0 += MR) {
+            int d0 = 0;
+            for (; d0 + NR <= D; d0 += NR)
                 micro_kernel(kbp, s->st + r0, 1, RS, s->vbuf + d0, D, s->o + (int64_t)r0 * D + d0, D, 1);
+#ifdef HAVE_AVX512
+            if (d0 < D) /* D = 16 mod 32 */
+                micro_kernel16(kbp, s->st + r0, 1, RS, s->vbuf + d0, D, s->o + (int64_t)r0 * D + d0, D, 1);
+#endif
+        }
     }
     for (int r = 0; r < R; r++) {
         float *dst = out + (q0 + a0 + r / G) * out_stride + (int64_t)(g * G + r % G) * D;
@@ -356,10 +397,10 @@ int meshlm_extend_attention(const float *q, int64_t q_stride, int64_t T, const v
         (void)S, (void)H, (void)Hkv, (void)D, (void)scale, (void)out, (void)out_stride, (void)num_threads;
     return 2;
 #else
-    if (H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % NR != 0 || D > 256 || num_threads < 1) return 1;
+    if (H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 16 != 0 || D > 256 || num_threads < 1) return 1;
     const int G = H / Hkv;
     const int qb = ROWS / G > 0 ? ROWS / G : 1;             /* query positions per work item */
-    const int RS = (qb * G + ROWS - 1) / ROWS * ROWS;     /* rows, padded to a multiple of 48 */
+    const int RS = (qb * G + RS_STEP - 1) / RS_STEP * RS_STEP; /* the most rows an item pads to */
     int64_t n_items = 0;
     for (int64_t s = 0; s < S; s++) {
         if (lens[s] < 1 || prefix[s] < 0 || starts[s] < 0 || starts[s] + lens[s] > T) return 1;
@@ -391,9 +432,17 @@ int meshlm_extend_attention(const float *q, int64_t q_stride, int64_t T, const v
         for (int64_t t = 0; t < n_items; t++) {
             if (!ok) continue;
             const item_t *it = &items[t];
-            attend_block(q, q_stride, k, v, kv_dtype, tok_stride, table + rows[it->seg] * table_stride,
-                         prefix[it->seg], starts[it->seg], it->a0, it->a1, it->g, G, D, RS, scale, out,
-                         out_stride, &s);
+            const int64_t *slots = table + rows[it->seg] * table_stride;
+#define ATTEND(DIM)                                                                                       \
+    attend_block(q, q_stride, k, v, kv_dtype, tok_stride, slots, prefix[it->seg], starts[it->seg], it->a0, \
+                 it->a1, it->g, G, DIM, scale, out, out_stride, &s)
+            if (D == 64)
+                ATTEND(64);
+            else if (D == 128)
+                ATTEND(128);
+            else
+                ATTEND(D);
+#undef ATTEND
         }
         scratch_free(&s);
     }

@@ -5,6 +5,7 @@ Every test ends with the KV pools whole (free + evictable == capacity, nothing l
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -100,6 +101,27 @@ def test_max_new_tokens_zero_is_prefill_only(engine: Engine) -> None:
     out = engine.generate_sync(input_ids=engine.tokenize("Hello there"), sampling_params={"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_a_chunked_prompt_is_logged_per_chunk_and_counted_once(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler's "Prefill batch." lines (managers/batch_log.py) follow a 2500-token prompt
+    through its 2048-token chunk and the rest; its prompt tokens count once in the stats."""
+    assert engine.flush_cache().success
+    caplog.set_level(logging.INFO, logger="meshlm.scheduler")
+    stats = engine.scheduler.stats
+    before = stats.prompt_tokens, stats.cached_tokens
+    ids = list(range(1000, 3500))
+    engine.generate_sync(input_ids=ids, sampling_params=greedy(2))
+    engine.get_load()  # the loop has logged everything before it
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")]
+    assert [line.split(", token usage")[0] for line in lines] == [
+        "Prefill batch. #new-seq: 1, #new-token: 2048, #cached-token: 0, #mixed-decode: 0",
+        "Prefill batch. #new-seq: 1, #new-token: 452, #cached-token: 0, #mixed-decode: 0",
+    ]
+    assert all("#running-req: 0, #queue-req: 0, forward: " in line for line in lines)
+    assert (stats.prompt_tokens - before[0], stats.cached_tokens - before[1]) == (2500, 0)
 
 
 def test_prefix_reuse_in_waves_with_pages_and_lpm(smollm_path: str, engine: Engine, bakery) -> None:

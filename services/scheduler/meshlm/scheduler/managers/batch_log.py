@@ -1,5 +1,5 @@
 """BatchLog: SGLang's per-batch log lines (log_prefill_stats / log_decode_stats), with each
-forward's seconds added.
+forward's milliseconds added.
 
     Prefill batch. #new-seq: 8, #new-token: 2048, #cached-token: 0, #mixed-decode: 0,
         token usage: 0.05, #running-req: 0, #queue-req: 56, forward: 2114 ms

@@ -5,6 +5,7 @@ memory, per row count.
 
     python bench/bench_gemv.py                          # default SmolLM2 (GGUF Q4_1)
     python bench/bench_gemv.py --rows 1,4,8 --formats q4_1,f32
+    python bench/bench_gemv.py --rows 16,64 --formats q4_1 --repeats 30 --baseline-rev HEAD
 
 For each row count it times one pass over all the layer weights, fused as the model runs them
 (q/k/v and gate/up of a layer concatenated: 120 GEMMs, 424 MB as float32 for SmolLM2,
@@ -13,19 +14,28 @@ block GEMM (when the weights are GGUF blocks; on an AVX-512 build also its AVX2 
 `blocks_avx2`) and through oneDNN, interleaved, and prints the
 medians and the ratios to oneDNN (below 1: faster than oneDNN). The crossovers are where
 kernels/gemv.py's MAX_ROWS and kernels/gemm_q.py's GEMV_MAX_ROWS_BESIDE_GEMM should sit.
+
+`--baseline-rev REV` also times the block GEMM built from csrc/gemm_q.c as it was at git revision
+REV (`blocks@REV`), its passes interleaved with the current one's (every other pass in reverse
+order), and prints the median of the per-pass ratios current / REV. On these VMs, whose speed
+drifts by 10-20% over minutes, the medians against oneDNN move by ~10% between runs; that ratio
+moves by a few percent (the same source against itself, 20 repeats: 0.97-1.01).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from kernel_revs import library_at
 from safetensors import safe_open
 
-from meshlm.scheduler.kernels.gemm_q import QPanelWeight, load_gemm_q_ops
+from meshlm.scheduler.kernels.gemm_q import SOURCE as GEMM_Q_SOURCE
+from meshlm.scheduler.kernels.gemm_q import GemmQOps, QPanelWeight, load_gemm_q_ops
 from meshlm.scheduler.kernels.gemv import FORMATS, GEMV_MAX_ROWS, load_gemv_ops
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear
 from meshlm.scheduler.model_loader import resolve_model_path
@@ -77,6 +87,7 @@ def main() -> None:
         "--rows", default="1,4,8,12,16,32,64,128,512", help=f"row counts (GEMVs only up to {GEMV_MAX_ROWS})"
     )
     ap.add_argument("--formats", default=",".join(FORMATS), help="GEMV formats to time (those the weights allow)")
+    ap.add_argument("--baseline-rev", help="also time the block GEMM as of this git revision, interleaved")
     weight_bench_args(ap)
     args = parse_weight_bench_args(ap)
     ops = load_gemv_ops()
@@ -96,6 +107,13 @@ def main() -> None:
     print(f"threads={torch.get_num_threads()}, {len(weights)} fused layer weights of {path.name} ({mb:.0f} MB float32)")
     # on an AVX-512 build the block GEMM runs 512-bit; its AVX2 form is timed beside it
     block_paths = (["blocks", "blocks_avx2"] if gemm.vector_bits == 512 else ["blocks"]) if blocks else []
+    kernels = {"blocks": gemm, "blocks_avx2": gemm}
+    base = ""
+    scratch = tempfile.TemporaryDirectory()
+    if blocks and args.baseline_rev:
+        base = f"blocks@{args.baseline_rev}"
+        kernels[base] = GemmQOps(library_at(args.baseline_rev, GEMM_Q_SOURCE, Path(scratch.name)))
+        block_paths.append(base)
     paths = [*gemvs, *block_paths]
     print(f"{'rows':>4s} {'oneDNN ms':>10s}" + "".join(f" {f + ' ms':>9s} {f + '/oneDNN':>12s}" for f in paths))
     for rows in (int(r) for r in args.rows.split(",")):
@@ -103,16 +121,17 @@ def main() -> None:
         here = [f for f in paths if f in block_paths or rows <= GEMV_MAX_ROWS]
         times: dict[str, list[float]] = {"onednn": [], **{f: [] for f in here}}
         with torch.inference_mode():
-            for _ in range(args.repeats + 1):  # the first pass warms up and is dropped
+            for rep in range(args.repeats + 1):  # the first pass warms up and is dropped
                 t0 = time.perf_counter()
                 for p in onednn:
                     p(xs[p.in_features])
                 times["onednn"].append(time.perf_counter() - t0)
-                for path in block_paths:
+                # every other pass in reverse order: a path's place in the pass weighs ~4% here
+                for kind in block_paths if rep % 2 else block_paths[::-1]:
                     t0 = time.perf_counter()
                     for b in blocks:
-                        gemm.gemm(xs[b.in_features], b, None, avx2=path == "blocks_avx2")
-                    times[path].append(time.perf_counter() - t0)
+                        kernels[kind].gemm(xs[b.in_features], b, None, avx2=kind == "blocks_avx2")
+                    times[kind].append(time.perf_counter() - t0)
                 for fmt, built in gemvs.items():
                     if fmt not in here:
                         continue
@@ -126,9 +145,15 @@ def main() -> None:
             + "".join(
                 f" {med[f]:9.1f} {med[f] / med['onednn']:12.2f}" if f in med else f" {'-':>9s} {'-':>12s}"
                 for f in paths
-            ),
+            )
+            + (f"  blocks / {base}: {pair_ratio(times['blocks'], times[base]):.3f}" if base in times else ""),
             flush=True,
         )
+
+
+def pair_ratio(new: list[float], old: list[float]) -> float:
+    """The median of the per-pass ratios new / old (passes interleaved; the warm-up dropped)."""
+    return statistics.median(a / b for a, b in zip(new[1:], old[1:]))
 
 
 if __name__ == "__main__":

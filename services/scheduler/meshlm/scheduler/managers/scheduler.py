@@ -71,7 +71,8 @@ class Scheduler:
         self.memory, self.state, self.stats = memory, self.parts.state, self.parts.stats
         self.max_req_len = self.parts.max_req_len
         self.max_total_num_tokens = memory.max_total_num_tokens
-        self.batch_log = BatchLog(memory, self.state, config.decode_log_interval if tp.rank == 0 else 0)
+        # Rank 0 logs the batches (every rank runs the same ones).
+        self.batch_log = BatchLog(memory, self.state, config.decode_log_interval) if tp.rank == 0 else None
         self._stop = threading.Event()
 
     # ---- the loop -------------------------------------------------------------------------
@@ -125,15 +126,21 @@ class Scheduler:
         t0 = time.perf_counter()
         batch = self.get_next_batch_to_run()
         if batch is not None:
-            counts = PrefillCounts.of(batch, self.state) if batch.forward_mode.is_extend() else None
+            batch_log = self.batch_log
+            counts = (
+                PrefillCounts.of(batch, self.state)
+                if batch_log is not None and batch.forward_mode.is_extend()
+                else None
+            )
             forward_s = self.run_batch(batch)
             if batch.forward_mode is ForwardMode.DECODE:
                 self.stats.record_decode(len(batch.reqs), forward_s, time.perf_counter() - t0)
-                self.batch_log.decode(batch, forward_s)
+                if batch_log is not None:
+                    batch_log.decode(batch, forward_s)
             elif batch.decoding_reqs:
                 self.stats.record_mixed_decode(len(batch.decoding_reqs))
-            if counts is not None and self.tp.rank == 0:
-                self.batch_log.prefill(counts, forward_s)
+            if batch_log is not None and counts is not None:
+                batch_log.prefill(counts, forward_s)
         else:
             self.on_idle()
         self.state.last_batch = batch

@@ -131,52 +131,45 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
-/* c[12][32] (+)= A . b over kc, the AVX-512 form of the micro-kernel below (same arguments,
- * b rows 32 floats): 24 accumulators, so each k issues 12 broadcasts and 2 loads for 24 FMAs and
- * the FMA ports, not the load ports, set the pace (a 12 x 16 tile issues 13 loads for 12 FMAs
- * and ran at half the FMA peak). */
-static inline __attribute__((always_inline)) void micro_kernel(int kc, const float *a, int64_t ars, int64_t aks,
-                                                               const float *b, int64_t ldb, float *c, int64_t ldc,
-                                                               int acc) {
-    __m512 lo[MR], hi[MR];
+/* c[12][16 * W] (+)= A . b over kc on 512-bit registers (same arguments as the micro-kernel
+ * below, b rows 16 * W floats), W = 1 or 2 a constant at each call. W = 2 is the AVX-512
+ * micro-kernel: 24 accumulators, so each k issues 12 broadcasts and 2 loads for 24 FMAs and the
+ * FMA ports, not the load ports, set the pace (a 12 x 16 tile issues 13 loads for 12 FMAs and
+ * ran at half the FMA peak); W = 1 is the tail of a head dim that is 16 mod 32. */
+static inline __attribute__((always_inline)) void tile_512(int kc, const float *a, int64_t ars, int64_t aks,
+                                                           const float *b, int64_t ldb, float *c, int64_t ldc,
+                                                           int acc, const int W) {
+    __m512 t[MR][2];
 #pragma GCC unroll 12
-    for (int r = 0; r < MR; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) t[r][0] = t[r][1] = _mm512_setzero_ps();
     for (int k = 0; k < kc; k++) {
-        const __m512 b0 = _mm512_loadu_ps(b + k * ldb), b1 = _mm512_loadu_ps(b + k * ldb + 16);
+        const __m512 b0 = _mm512_loadu_ps(b + k * ldb), b1 = W == 2 ? _mm512_loadu_ps(b + k * ldb + 16) : b0;
         const float *ak = a + k * aks;
 #pragma GCC unroll 12
         for (int r = 0; r < MR; r++) {
             const __m512 av = _mm512_set1_ps(ak[r * ars]);
-            lo[r] = _mm512_fmadd_ps(av, b0, lo[r]);
-            hi[r] = _mm512_fmadd_ps(av, b1, hi[r]);
+            t[r][0] = _mm512_fmadd_ps(av, b0, t[r][0]);
+            if (W == 2) t[r][1] = _mm512_fmadd_ps(av, b1, t[r][1]);
         }
     }
 #pragma GCC unroll 12
-    for (int r = 0; r < MR; r++) {
-        float *cr = c + r * ldc;
-        _mm512_storeu_ps(cr, acc ? _mm512_add_ps(lo[r], _mm512_loadu_ps(cr)) : lo[r]);
-        _mm512_storeu_ps(cr + 16, acc ? _mm512_add_ps(hi[r], _mm512_loadu_ps(cr + 16)) : hi[r]);
-    }
+    for (int r = 0; r < MR; r++)
+        for (int w = 0; w < W; w++) {
+            float *cw = c + r * ldc + 16 * w;
+            _mm512_storeu_ps(cw, acc ? _mm512_add_ps(t[r][w], _mm512_loadu_ps(cw)) : t[r][w]);
+        }
 }
 
-/* The same over 16 columns of b: the tail of a head dim that is 16 mod 32. */
+static inline __attribute__((always_inline)) void micro_kernel(int kc, const float *a, int64_t ars, int64_t aks,
+                                                               const float *b, int64_t ldb, float *c, int64_t ldc,
+                                                               int acc) {
+    tile_512(kc, a, ars, aks, b, ldb, c, ldc, acc, 2);
+}
+
 static inline __attribute__((always_inline)) void micro_kernel16(int kc, const float *a, int64_t ars, int64_t aks,
                                                                  const float *b, int64_t ldb, float *c, int64_t ldc,
                                                                  int acc) {
-    __m512 cr_[MR];
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; r++) cr_[r] = _mm512_setzero_ps();
-    for (int k = 0; k < kc; k++) {
-        const __m512 bv = _mm512_loadu_ps(b + k * ldb);
-        const float *ak = a + k * aks;
-#pragma GCC unroll 12
-        for (int r = 0; r < MR; r++) cr_[r] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * ars]), bv, cr_[r]);
-    }
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; r++) {
-        float *cr = c + r * ldc;
-        _mm512_storeu_ps(cr, acc ? _mm512_add_ps(cr_[r], _mm512_loadu_ps(cr)) : cr_[r]);
-    }
+    tile_512(kc, a, ars, aks, b, ldb, c, ldc, acc, 1);
 }
 #else
 /* c[6][16] (+)= A . b over kc: A(r, k) = a[r * ars + k * aks], b row k at b + k * ldb (16

@@ -98,9 +98,17 @@ def ratios(rows: list[Row], system: str = "meshlm") -> list[tuple[int, Row, Row]
 def print_ratios(c: int, rows: list[Row]) -> None:
     """Each meshlm system / best vLLM at one level: the run's ratios, or with several rounds each
     round's and the medians (of each system's runs, and of the per-round ratios)."""
-    meshlms = sorted({r["system"] for r in rows if r["system"].startswith("meshlm")})
-    for i, system in enumerate(meshlms):
-        print_system_ratios(c, rows, system, medians_of_runs=i == 0)
+    for system in sorted({r["system"] for r in rows if r["system"].startswith("meshlm")}):
+        print_system_ratios(c, rows, system)
+    if len({r.get("round", 1) for r in rows}) > 1:
+        for system in sorted({r["system"] for r in rows}):
+            runs = [r for r in rows if r["system"] == system]
+            tok_s = statistics.median(r["out_tok_s"] for r in runs)
+            print(
+                f"  median of {len(runs)} runs, {system}: {tok_s:.1f} out tok/s,"
+                f" TPOT p50 {statistics.median(r['tpot_p50_ms'] for r in runs):.1f} ms,"
+                f" TTFT p50 {statistics.median(r['ttft_p50_ms'] for r in runs):.1f} ms"
+            )
     busy = [r for r in rows if r.get("neighbours_cpu_cores", 0.0) > BUSY_NEIGHBOURS]
     for r in busy:
         print(
@@ -109,8 +117,9 @@ def print_ratios(c: int, rows: list[Row]) -> None:
         )
 
 
-def print_system_ratios(c: int, rows: list[Row], system: str, medians_of_runs: bool) -> None:
-    """print_ratios for one meshlm system (medians_of_runs: also every system's median run)."""
+def print_system_ratios(c: int, rows: list[Row], system: str) -> None:
+    """One meshlm system / best vLLM at one level: each round's ratios, and with several rounds
+    the median of the per-round ratios."""
     pairs = ratios(rows, system)
     for rnd, ours, b in pairs:
         label = f"round {rnd}: " if len(pairs) > 1 else ""
@@ -120,14 +129,6 @@ def print_system_ratios(c: int, rows: list[Row], system: str, medians_of_runs: b
             f"  TTFT p50 {ours['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x (lower is better)"
         )
     if len(pairs) > 1:
-        for each in sorted({r["system"] for r in rows}) if medians_of_runs else []:
-            runs = [r for r in rows if r["system"] == each]
-            tok_s = statistics.median(r["out_tok_s"] for r in runs)
-            print(
-                f"  median of {len(runs)} runs, {each}: {tok_s:.1f} out tok/s,"
-                f" TPOT p50 {statistics.median(r['tpot_p50_ms'] for r in runs):.1f} ms,"
-                f" TTFT p50 {statistics.median(r['ttft_p50_ms'] for r in runs):.1f} ms"
-            )
 
         def med(key: str) -> float:
             return statistics.median(ours[key] / b[key] for _, ours, b in pairs)

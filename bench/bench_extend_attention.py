@@ -85,6 +85,19 @@ def time_pass(backend: CpuAttnBackend, fb: ForwardBatch, attn: list[RadixAttenti
     return best / len(attn)
 
 
+def time_against(
+    backend: CpuAttnBackend, base: CpuAttnBackend | None, fb: ForwardBatch, attn: list[RadixAttention], repeats: int
+) -> tuple[float, float]:
+    """time_pass of `backend` and, when given, of `base` (inf without one), three times each,
+    alternating so that the machine's drift hits both alike; the best of each."""
+    t, t_base = float("inf"), float("inf")
+    for _ in range(3 if base is not None else 1):
+        t = min(t, time_pass(backend, fb, attn, repeats))
+        if base is not None:
+            t_base = min(t_base, time_pass(base, fb, attn, repeats))
+    return t, t_base
+
+
 class StorelessAmx(ExtendKernel):
     """An AMX extend library from before meshlm_kv_store_bf16 / meshlm_extend_attention_amx_out,
     called as the backend called it then: the new K/V stored by index_put, a float32 out."""
@@ -154,11 +167,7 @@ def main() -> None:
                     b, n, pre, args.layers, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype)
                 )
                 t_sdpa = time_pass(sdpa, fb, attn, args.repeats)
-                t_kernel, t_old = float("inf"), float("inf")
-                for _ in range(3 if base_f32 is not None else 1):  # alternating, so drift hits both alike
-                    t_kernel = min(t_kernel, time_pass(kernel, fb, attn, args.repeats))
-                    if base_f32 is not None:
-                        t_old = min(t_old, time_pass(base_f32, fb, attn, args.repeats))
+                t_kernel, t_old = time_against(kernel, base_f32, fb, attn, args.repeats)
                 visible = n * pre + n * (n + 1) / 2  # scores a request's queries see
                 flops = 4 * b * args.heads * visible * args.head_dim
                 line = (
@@ -166,11 +175,7 @@ def main() -> None:
                     f"{flops / t_kernel / 1e9:>8.0f} {t_sdpa / t_kernel:>6.2f}x"
                 )
                 if amx is not None:
-                    t_amx, t_base = float("inf"), float("inf")
-                    for _ in range(3 if base is not None else 1):  # alternating, so drift hits both alike
-                        t_amx = min(t_amx, time_pass(amx, fb, attn, args.repeats))
-                        if base is not None:
-                            t_base = min(t_base, time_pass(base, fb, attn, args.repeats))
+                    t_amx, t_base = time_against(amx, base, fb, attn, args.repeats)
                     line += f" {t_amx * 1e3:>13.2f} {flops / t_amx / 1e9:>8.0f} {t_sdpa / t_amx:>6.2f}x"
                     if base is not None:
                         line += f" {t_base * 1e3:>18.2f} {t_amx / t_base:>8.2f}x"

@@ -30,7 +30,10 @@ each system's runs and of the per-round ratios. The servers not being measured m
 each run records their CPU (cores busy over the run) and the report flags a run where it passed
 0.05 of a core. --meshlm-variant LABEL=FLAGS (repeatable) starts one more meshlm server,
 `meshlm[LABEL]`, with FLAGS after --meshlm-args: an A/B of meshlm flags against vLLM in one
-sitting, each variant's ratios to vLLM reported beside the default's.
+sitting, each variant's ratios to vLLM reported beside the default's. The ring / engine pair
+also runs N rounds, alternating which goes first, on new prompts every round (the ring server
+stays up, idle, while the engine runs in this process), and the report gives each round's ratio
+and their median.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -175,12 +179,18 @@ def print_report(rep: Row) -> None:
                 if len({r.get(key) for r in at}) > 1:
                     print(f"  WARNING c={c}: {key} differs between systems: {[r.get(key) for r in at]}")
     re = rep.get("ring_engine", {})
-    if "ring" in re and "engine" in re:
-        print(
-            f"\nring / engine (random, c={re['concurrency']}, bench_online's client): out tok/s "
-            f"{re['ring']['out_tok_s']:.1f} / {re['engine']['out_tok_s']:.1f} = "
-            f"{re['ring']['out_tok_s'] / re['engine']['out_tok_s']:.3f} (target >= 0.95)"
-        )
+    pairs = [t for t in re.get("rounds", []) if "ring" in t and "engine" in t]
+    if pairs:
+        print(f"\nring / engine (random, c={re['concurrency']}, bench_online's client), out tok/s:")
+        for t in pairs:
+            busy = t.get("ring_idle_cpu_cores")
+            print(
+                f"  round {t['round']} ({t['order']}): {t['ring']['out_tok_s']:.1f} / {t['engine']['out_tok_s']:.1f}"
+                f" = {t['ring']['out_tok_s'] / t['engine']['out_tok_s']:.3f}"
+                + (f"  (idle ring during the engine's run: {busy:.2f} cores)" if busy is not None else "")
+            )
+        ratios = [t["ring"]["out_tok_s"] / t["engine"]["out_tok_s"] for t in pairs]
+        print(f"  median of {len(ratios)}: {statistics.median(ratios):.3f} (target >= 0.95)")
     for name, problems in rep["stream_probe"].items():
         print(f"stream probe {name}: {'; '.join(problems) or 'ok (no SSE comment events, usage honoured)'}")
 
@@ -356,21 +366,41 @@ def main() -> None:
         info["pss_peak_mib"] = max(info["pss_peak_mib"], pss_mib(srv.proc.pid))
         save()
 
-    def ring_run(srv: Server) -> None:
-        print(f"[meshlm] ring, random c={top}, bench_online's client", flush=True)
+    def ring_turn(srv: Server, turn: Row) -> None:
+        print(f"[meshlm] ring, random c={top}, round {turn['round']}, bench_online's client", flush=True)
         try:
-            rep["ring_engine"] = {"concurrency": top, "ring": online_bench(srv, ring_work, top)}
+            turn["ring"] = online_bench(srv, ring_work(turn["round"]), top)
         except (OSError, httpx.HTTPError) as e:
             print(f"[meshlm] ring run FAILED: {e!r}", flush=True)
 
-    def engine_run() -> None:
-        if "ring_engine" in rep:  # right after the ring, so that both see the same machine load
-            print(f"[engine] in-process engine, random c={top}, bench_online's client", flush=True)
-            rep["ring_engine"]["engine"] = run_engine(cfg, ring_work, top)
-            save()
+    def engine_turn(turn: Row, idle: Server | None) -> None:
+        print(f"[engine] in-process engine, random c={top}, round {turn['round']}, bench_online's client", flush=True)
+        cpu0, t0 = (tree_cpu_s(idle.proc.pid) if idle else 0.0), time.monotonic()
+        turn["engine"] = run_engine(cfg, ring_work(turn["round"]), top)
+        if idle is not None:
+            turn["ring_idle_cpu_cores"] = (tree_cpu_s(idle.proc.pid) - cpu0) / (time.monotonic() - t0)
+        save()
+
+    def ring_engine_rounds(srv: Server) -> None:
+        """--rounds ring / engine pairs at the top level, the order alternating every round (the
+        idle ring server stays up while the engine runs; its CPU is recorded)."""
+        turns = rep.setdefault("ring_engine", {"concurrency": top, "rounds": []})["rounds"]
+        for r in range(1, args.rounds + 1):
+            turn: Row = {"round": r, "order": "ring first" if r % 2 else "engine first"}
+            turns.append(turn)
+            if r % 2 == 0:
+                engine_turn(turn, srv)
+            ring_turn(srv, turn)
+            if r % 2 == 1 and "ring" in turn:
+                engine_turn(turn, srv)
+
+    def ring_work(run: int) -> list[dict[str, Any]]:
+        """The ring / engine prompts of round `run` (from 1): new ones every round, so that neither
+        system's prefix cache holds them."""
+        seed = args.seed + 100_000 * (run - 1)
+        return make_workload("random", args.num_prompts, seed, args.input_len, args.output_len)
 
     top = max(args.levels)
-    ring_work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
     launches: list[tuple[str, list[str], dict[str, str], int]] = []  # label, argv, env, port
     variants = [("meshlm", [])] + [(f"meshlm[{label}]", flags) for label, flags in args.meshlm_variants]
     for label, variant_flags in variants if "meshlm" in args.systems else []:
@@ -422,11 +452,13 @@ def main() -> None:
                 for wl in workloads:
                     for c in args.levels:
                         measure(srv, wl, c, 1, [])
+                turn: Row = {"round": 1, "order": "ring first"}
                 if label == "meshlm" and not args.no_engine:
-                    ring_run(srv)
+                    rep["ring_engine"] = {"concurrency": top, "rounds": [turn]}
+                    ring_turn(srv, turn)
                 stop(srv.proc)
-                if label == "meshlm":
-                    engine_run()
+                if label == "meshlm" and "ring" in turn:  # right after the ring: the same machine load
+                    engine_turn(turn, None)
         else:  # every server up, taking turns (see the module docstring)
             live = [srv for srv in (start(*launch) for launch in launches) if srv is not None]
             for run in range(1, args.rounds + 1):
@@ -436,11 +468,12 @@ def main() -> None:
                         for srv in live[k:] + live[:k]:
                             measure(srv, wl, c, run, [s for s in live if s is not srv])
             ours = next((s for s in live if s.label == "meshlm"), None)
-            if ours is not None and not args.no_engine:
-                ring_run(ours)
             for srv in live:
-                stop(srv.proc)
-            engine_run()
+                if srv is not ours or args.no_engine:
+                    stop(srv.proc)
+            if ours is not None and not args.no_engine:
+                ring_engine_rounds(ours)
+                stop(ours.proc)
         save()
     finally:
         stop_all()

@@ -13,7 +13,9 @@ seconds, the share of the run's wall time, the calls and the time per call. The 
 few microseconds a call: compare shares and per-call times, and take the throughput from
 bench_offline.py or bench_vs_vllm.py. The CPU decode plan (one C call for a decode step's
 kernels) is off by default here, so that every kernel call of a decode step passes a timer;
-`--cpu-graph` keeps it on, and decode forwards are then timed only as a whole.
+`--cpu-graph` keeps it on and times its ops in C instead (the plan's timed run: a clock read
+around each op), as `plan <kernel>` parts (the block GEMM by its N x K), which is the decode step
+the server runs.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from meshlm.scheduler.attention.cpu import CpuAttnBackend
 from meshlm.scheduler.engine import Engine
+from meshlm.scheduler.kernels import decode_plan as dp
 from meshlm.scheduler.kernels.cpu_ops import CpuOps
 from meshlm.scheduler.layers.cpu_gemm import PackedLinear
 from meshlm.scheduler.model_executor.model_runner import ModelRunner
@@ -70,6 +75,37 @@ class Timers:
 
         ModelRunner.forward = forward  # type: ignore[method-assign]
 
+    def wrap_plan(self) -> None:
+        """Every decode plan run timed op by op in C, summed per plan part (see plan_parts)."""
+        orig = dp.DecodePlan.run
+        groups: dict[int, tuple[dp.DecodePlan, list[str], torch.Tensor]] = {}
+
+        def run(plan: dp.DecodePlan, rows: int, op_seconds: torch.Tensor | None = None) -> None:
+            if id(plan) not in groups or groups[id(plan)][0] is not plan:  # a rebuilt plan
+                names = plan_parts(plan)
+                index = sorted(set(names))
+                groups[id(plan)] = (plan, index, torch.tensor([index.index(n) for n in names]))
+            _, index, of_op = groups[id(plan)]
+            seconds = torch.zeros(len(plan.ops), dtype=torch.float64)
+            orig(plan, rows, seconds)
+            ran = torch.zeros(len(index), dtype=torch.float64).index_add_(0, of_op, seconds)
+            calls = torch.zeros(len(index), dtype=torch.int64).index_add_(0, of_op, (seconds > 0).long())
+            for name, s, n in zip(index, ran.tolist(), calls.tolist()):
+                if n:
+                    self.seconds[("decode", name)] += s
+                    self.calls[("decode", name)] += n
+
+        dp.DecodePlan.run = run  # type: ignore[method-assign]
+
+
+def plan_parts(plan: dp.DecodePlan) -> list[str]:
+    """Each op's part: `plan <kernel>`, the block GEMM's with its weight's N x K."""
+    out = []
+    for op in plan.ops:
+        name = f"plan {dp.KIND_NAMES[op.kind]}"
+        out.append(f"{name} {op.args[8]}x{op.args[9]}" if op.kind == dp.GEMM_Q else name)
+    return out
+
 
 def linear_part(args: tuple[Any, ...]) -> str:
     lin, x = args[0], args[1]
@@ -86,7 +122,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--model-path", default=None, help="HF dir or .gguf (default: packaged SmolLM2-135M)")
-    ap.add_argument("--cpu-graph", action="store_true", help="keep the CPU decode plan (decode ops go untimed)")
+    ap.add_argument("--cpu-graph", action="store_true", help="keep the CPU decode plan (its ops timed in C)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 (a bf16 pool under a float32 model)")
     args = ap.parse_args()
 
@@ -97,6 +133,8 @@ def main() -> None:
         timers.wrap(CpuOps, op, op)
     timers.wrap(Sampler, "forward", "sampler")
     timers.wrap_forward()
+    if args.cpu_graph:
+        timers.wrap_plan()
 
     engine = Engine(
         model_path=args.model_path,

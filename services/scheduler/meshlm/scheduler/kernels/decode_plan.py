@@ -238,6 +238,9 @@ class DecodePlan:
         self._run = lib.meshlm_decode_plan_run
         self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         self._run.restype = ctypes.c_int64
+        self._run_timed = lib.meshlm_decode_plan_run_timed
+        self._run_timed.argtypes = [*self._run.argtypes, ctypes.c_void_p]
+        self._run_timed.restype = ctypes.c_int64
         size = lib.meshlm_decode_plan_op_size
         size.restype = ctypes.c_int64
         if size() != ctypes.sizeof(_COp):
@@ -252,9 +255,16 @@ class DecodePlan:
             for i, v in enumerate(op.args):
                 c.a[i] = v
 
-    def run(self, rows: int) -> None:
-        """Every op that takes batches of `rows` rows, in order."""
-        rc = int(self._run(ctypes.addressof(self._array), len(self.ops), rows, torch.get_num_threads()))
+    def run(self, rows: int, op_seconds: torch.Tensor | None = None) -> None:
+        """Every op that takes batches of `rows` rows, in order. With op_seconds (float64
+        [len(ops)], contiguous, on the CPU) each op's wall time is added to its slot: a profile."""
+        array, n, threads = ctypes.addressof(self._array), len(self.ops), torch.get_num_threads()
+        if op_seconds is None:
+            rc = int(self._run(array, n, rows, threads))
+        else:
+            if op_seconds.dtype != torch.float64 or op_seconds.shape != (n,) or not op_seconds.is_contiguous():
+                raise ValueError(f"op_seconds must be a contiguous float64 tensor of shape ({n},)")
+            rc = int(self._run_timed(array, n, rows, threads, op_seconds.data_ptr()))
         if rc:
             i, code = rc // 256 - 1, rc % 256
             raise DecodePlanError(f"decode plan op {i} ({KIND_NAMES[self.ops[i].kind]}) failed with code {code}")

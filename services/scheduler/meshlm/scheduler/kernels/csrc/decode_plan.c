@@ -15,6 +15,8 @@
  * The kernels live in their own libraries; this file knows their signatures (the kinds below),
  * not their code.
  */
+#include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 
 enum {
@@ -106,14 +108,28 @@ static int run_op(const meshlm_op *op, int64_t m, int nt) {
 /* The size of one op, so Python can check its mirror of the struct. */
 int64_t meshlm_decode_plan_op_size(void) { return (int64_t)sizeof(meshlm_op); }
 
-/* Runs ops[0 .. n) that take batches of m rows, in order, on num_threads threads. Returns 0, or
- * (i + 1) * 256 + (rc & 255) for the first op i whose kernel returned rc != 0 (nothing after it
- * runs; -1 as rc: an unknown kind). */
-int64_t meshlm_decode_plan_run(const meshlm_op *ops, int64_t n, int64_t m, int num_threads) {
+/* Runs ops[0 .. n) that take batches of m rows, in order, on num_threads threads; with `seconds`
+ * (n doubles, or NULL) adds each op's wall time to seconds[i] (0 for an op skipped at m rows).
+ * Returns 0, or (i + 1) * 256 + (rc & 255) for the first op i whose kernel returned rc != 0
+ * (nothing after it runs; -1 as rc: an unknown kind). */
+static int64_t run_ops(const meshlm_op *ops, int64_t n, int64_t m, int num_threads, double *seconds) {
     for (int64_t i = 0; i < n; i++) {
         if (m < ops[i].min_rows || m > ops[i].max_rows) continue;
+        const double t0 = seconds != NULL ? omp_get_wtime() : 0.0;
         const int rc = run_op(&ops[i], m, num_threads);
+        if (seconds != NULL) seconds[i] += omp_get_wtime() - t0;
         if (rc != 0) return (i + 1) * 256 + (rc & 255);
     }
     return 0;
+}
+
+/* Runs the ops that take batches of m rows (run_ops); the decode step's call. */
+int64_t meshlm_decode_plan_run(const meshlm_op *ops, int64_t n, int64_t m, int num_threads) {
+    return run_ops(ops, n, m, num_threads, NULL);
+}
+
+/* meshlm_decode_plan_run that also adds each op's wall time to seconds[0 .. n): a profile of
+ * the plan as it runs (bench/profile_engine.py --cpu-graph). */
+int64_t meshlm_decode_plan_run_timed(const meshlm_op *ops, int64_t n, int64_t m, int num_threads, double *seconds) {
+    return run_ops(ops, n, m, num_threads, seconds);
 }

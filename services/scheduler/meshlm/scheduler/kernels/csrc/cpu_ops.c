@@ -20,7 +20,8 @@
  * 0.18 vs 0.46 ms a prompt-chunk call). The same for silu_mul with an inline e^x was slower
  * than libmvec's expf (0.645 vs 0.568 ms at 1820 x 1536, hot) and is not used. silu_mul
  * clamps e^-x at e^88, so silu(x) of a very negative x is ~0 (the fast-math expf overflowed
- * to inf and made it NaN).
+ * to inf and made it NaN). float32 rows of add_rmsnorm and silu_mul are read and written in
+ * place; other rows go through float32 scratch rows (load / store).
  */
 #include <math.h>
 #include <stdint.h>
@@ -117,6 +118,22 @@ int meshlm_add_rmsnorm(const void *x, void *residual, const void *weight, void *
                 continue;
             }
 #endif
+            if (dtype == 0) { /* float32 rows: read and written in place, no scratch copies */
+                const float *xr = (const float *)x + t * x_stride;
+                float *rr = has_residual ? (float *)residual + t * r_stride : NULL, *o = (float *)out + t * o_stride;
+                if (rr != NULL) {
+#pragma omp simd
+                    for (int i = 0; i < H; i++) rr[i] += xr[i];
+                    xr = rr;
+                }
+                float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+                for (int i = 0; i < H; i++) ss += xr[i] * xr[i];
+                const float inv = 1.f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+                for (int i = 0; i < H; i++) o[i] = xr[i] * inv * w[i];
+                continue;
+            }
             load(x, dtype, t * x_stride, H, r);
             if (has_residual) {
                 load(residual, dtype, t * r_stride, H, tmp);
@@ -174,6 +191,14 @@ int meshlm_silu_mul(const void *gu, void *out, int dtype, int64_t T, int I, int6
         float g[MAX_ROW], u[MAX_ROW];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
+            if (dtype == 0) { /* float32 rows: read and written in place (0.59x the time of copying
+                               * them through g and u, 2048 x 1536 on a 2-core Ice Lake) */
+                const float *gr = (const float *)gu + t * gu_stride, *ur = gr + I;
+                float *o = (float *)out + t * o_stride;
+#pragma omp simd
+                for (int i = 0; i < I; i++) o[i] = gr[i] / (1.f + expf(fminf(-gr[i], 88.f))) * ur[i];
+                continue;
+            }
             load(gu, dtype, t * gu_stride, I, g);
             load(gu, dtype, t * gu_stride + I, I, u);
 #pragma omp simd

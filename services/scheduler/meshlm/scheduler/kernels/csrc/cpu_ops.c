@@ -85,6 +85,16 @@ static inline void store(void *base, int dtype, int64_t off, int n, const float 
     }
 }
 
+/* dst[i] = r[i] / sqrt(mean(r^2) + eps) * w[i] over a float32 row of H (dst may be r). */
+static inline void rms_scale(const float *r, const float *w, int H, float eps, float *dst) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < H; i++) ss += r[i] * r[i];
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+    for (int i = 0; i < H; i++) dst[i] = r[i] * inv * w[i];
+}
+
 #define MAX_ROW 32768 /* scratch per row (hidden size or 2 x intermediate size / 2) */
 
 int meshlm_add_rmsnorm(const void *x, void *residual, const void *weight, void *out, int dtype,
@@ -126,12 +136,7 @@ int meshlm_add_rmsnorm(const void *x, void *residual, const void *weight, void *
                     for (int i = 0; i < H; i++) rr[i] += xr[i];
                     xr = rr;
                 }
-                float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-                for (int i = 0; i < H; i++) ss += xr[i] * xr[i];
-                const float inv = 1.f / sqrtf(ss / (float)H + eps);
-#pragma omp simd
-                for (int i = 0; i < H; i++) o[i] = xr[i] * inv * w[i];
+                rms_scale(xr, w, H, eps, o);
                 continue;
             }
             load(x, dtype, t * x_stride, H, r);
@@ -142,12 +147,7 @@ int meshlm_add_rmsnorm(const void *x, void *residual, const void *weight, void *
                 store(residual, dtype, t * r_stride, H, r);
                 if (dtype == 1) load(residual, dtype, t * r_stride, H, r); /* the stored bf16 value */
             }
-            float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-            for (int i = 0; i < H; i++) ss += r[i] * r[i];
-            const float inv = 1.f / sqrtf(ss / (float)H + eps);
-#pragma omp simd
-            for (int i = 0; i < H; i++) tmp[i] = r[i] * inv * w[i];
+            rms_scale(r, w, H, eps, tmp);
             store(out, dtype, t * o_stride, H, tmp);
         }
     }

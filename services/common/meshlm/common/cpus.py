@@ -51,3 +51,29 @@ def serial_tokenizers() -> None:
     from the pool.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def batch_scheduling() -> bool:
+    """Put every thread of this process under Linux's SCHED_BATCH policy (threads it starts
+    later inherit it); False where the OS has no such policy.
+
+    SCHED_BATCH is the normal fair-share policy minus wake-up preemption: a thread that wakes
+    (a relay receiving one gRPC message) waits for the running thread's slice instead of
+    preempting it at once. For a relay on the cores of a scheduler that is what keeps the
+    scheduler's OpenMP team together: a worker preempted in the middle of a GEMM stalls the
+    whole team at the next barrier. Nice value and CPU share are unchanged (no privilege
+    needed); SCHED_IDLE, the stronger policy, starved the relays behind a busy scheduler.
+    """
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None:
+        return False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+    return True

@@ -1,7 +1,8 @@
 """The config fields every meshlm service shares, declared once, with their flags.
 
-    ServiceConfig      host, port, log_level, log_format, otlp_endpoint, grace_period_s, tls,
-                       auth (all four services; the gateway's port is HTTP, its tls its client's)
+    ServiceConfig      host, port, log_level, log_format, otlp_endpoint, grace_period_s,
+                       batch_scheduling, tls, auth (all four services; the gateway's port is
+                       HTTP, its tls its client's)
     GrpcServiceConfig  + metrics_port, health_port (tokenizer, scheduler, detokenizer)
 
 A service's config is a frozen subclass adding its own fields, flag help (FLAGS), environment
@@ -64,6 +65,11 @@ class ServiceConfig:
             "log_format": Flag("log line format: " + " | ".join(LOG_FORMATS)),
             "otlp_endpoint": Flag("export OpenTelemetry spans to this OTLP/gRPC endpoint (host:port)"),
             "grace_period_s": Flag("on SIGTERM, seconds in-flight requests get to finish"),
+            "batch_scheduling": Flag(
+                "run under Linux's SCHED_BATCH policy (its wake-ups do not preempt busy threads): for a "
+                "relay on the cores of a scheduler; `meshlm launch` sets it on the gateway, tokenizers "
+                "and detokenizers"
+            ),
         }
     )
 
@@ -73,6 +79,7 @@ class ServiceConfig:
     log_format: str = "text"
     otlp_endpoint: str | None = None
     grace_period_s: float = 30.0
+    batch_scheduling: bool = False
     tls: TlsConfig = PLAINTEXT
     auth: AuthConfig = NO_AUTH
 

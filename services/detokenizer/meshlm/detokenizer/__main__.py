@@ -7,7 +7,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from meshlm.common.cpus import serial_tokenizers
+from meshlm.common.cpus import batch_scheduling, serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 from meshlm.common.log import setup_logging
 from meshlm.detokenizer.config import DetokenizerConfig
@@ -35,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = DetokenizerConfig.from_cli_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if config.batch_scheduling:
+        batch_scheduling()
     setup_logging("detokenizer", config.log_level, config.log_format)
     asyncio.run(serve(config))
     return 0

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from meshlm.common.cpus import serial_tokenizers
+from meshlm.common.cpus import batch_scheduling, serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 
 if TYPE_CHECKING:
@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if config.batch_scheduling:
+        batch_scheduling()
     setup_logging("gateway", config.log_level, config.log_format)
     setup_telemetry("meshlm-gateway", config.otlp_endpoint)
     logger.info("gateway on %s:%d -> tokenizers %s", config.host, config.port, ",".join(config.tokenizer_addrs))

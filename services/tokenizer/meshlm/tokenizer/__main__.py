@@ -10,7 +10,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from meshlm.common.cpus import serial_tokenizers
+from meshlm.common.cpus import batch_scheduling, serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 from meshlm.tokenizer.config import TokenizerConfig
 
@@ -33,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = TokenizerConfig.from_cli_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if config.batch_scheduling:
+        batch_scheduling()
     from meshlm.tokenizer.service import serve
 
     return asyncio.run(serve(config))

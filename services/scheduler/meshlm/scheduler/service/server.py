@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 from meshlm.common import telemetry
+from meshlm.common.cpus import batch_scheduling
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.log import setup_logging
 from meshlm.common.metrics import Metrics
@@ -281,6 +282,8 @@ def serve(svc: SchedulerServiceConfig, engine: SchedulerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """`meshlm serve scheduler ARGS` / `python -m meshlm.scheduler ARGS`."""
     svc, engine = parse_args(argv)
+    if svc.batch_scheduling:
+        batch_scheduling()
     if not svc.detokenizer_addrs:
         raise SystemExit("--detokenizer-addrs (or MESHLM_SCHEDULER_DETOKENIZER_ADDRS) is required")
     if (engine.disaggregation_mode == "prefill") != bool(svc.decode_addrs):

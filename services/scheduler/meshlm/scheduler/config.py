@@ -14,6 +14,7 @@ POLICIES = ("fcfs", "lpm")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")  # meshlm.scheduler.attention.BACKENDS
 FUSED_OPS = ("auto", "torch")
+PROMPT_GEMMS = ("auto", "onednn", "mkl")  # layers/prompt_gemm.py
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")  # meshlm.scheduler.constrained.backends
 
@@ -52,6 +53,7 @@ class SchedulerConfig:
     disable_cuda_graph: bool = False
     disable_cpu_graph: bool = False  # CPU: decode layers through Python instead of one C plan
     fused_ops: str = "auto"  # auto = CPU: prepacked oneDNN linears + fused C elementwise; torch = eager
+    cpu_prompt_gemm: str = "auto"  # float32 prompt-chunk linears: auto (timed per shape) | onednn | mkl
     random_seed: int | None = None
     tp_size: int = 1
     disaggregation_mode: str = "null"  # null = unified; prefill / decode = PD roles
@@ -100,6 +102,10 @@ class SchedulerConfig:
             f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",
         )
         need(self.fused_ops in FUSED_OPS, f"fused_ops must be one of {FUSED_OPS}, got {self.fused_ops!r}")
+        need(
+            self.cpu_prompt_gemm in PROMPT_GEMMS,
+            f"cpu_prompt_gemm must be one of {PROMPT_GEMMS}, got {self.cpu_prompt_gemm!r}",
+        )
         need(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
@@ -193,6 +199,11 @@ class SchedulerConfig:
                 "float32, a GEMV for batches of 1-4 rows over a second copy of each weight: a GGUF "
                 "model's own Q4_1 / Q8_0 blocks where they hold it exactly, else dense) | torch "
                 "(F.linear and eager torch ops)"
+            ),
+            "cpu_prompt_gemm": (
+                "CPU, float32: the library multiplying prompt chunks by each linear weight: auto (oneDNN "
+                "unless MKL over the transposed weight is >= 5%% faster for the shape, timed once at "
+                "start-up and remembered in the kernel cache) | onednn | mkl"
             ),
             "random_seed": (
                 "seed of the global sampler RNG (with tp_size > 1 and none given, rank 0 picks one for every rank)"

@@ -5,7 +5,9 @@ at decode sizes (tens of rows against a few-MB weight) that packing is a large s
 work. Each linear's weight is therefore held in a ready layout:
 
   * oneDNN's blocked layout for this CPU (the layout inductor's CPU weight prepacking uses; an
-    opaque oneDNN tensor), for prompt chunks and whatever the kernels below do not take;
+    opaque oneDNN tensor), for prompt chunks and whatever the kernels below do not take; or, in
+    float32 where the plan's PromptGemmChoice finds MKL faster for the shape
+    (layers/prompt_gemm.py), W^T for MKL's sgemm instead;
   * in float32, for decode batches, the smallest exact small format (kernels/gemv.py): a GGUF
     checkpoint's Q4_1 / Q8_0 blocks (float32 weights that are exactly such blocks, found back),
     else a dense copy. Batches of a few rows stream it through the GEMV kernels; for blocks,
@@ -39,6 +41,7 @@ from meshlm.scheduler.kernels.gemm_q import FORMATS as BLOCK_FORMATS
 from meshlm.scheduler.kernels.gemm_q import GEMM_MAX_ROWS, GEMV_MAX_ROWS_BESIDE_GEMM, QPanelWeight, gemm_q_ops_or_none
 from meshlm.scheduler.kernels.gemv import MAX_ROWS
 from meshlm.scheduler.kernels.gemv_bf16 import FORMATS as BF16_BLOCK_FORMATS
+from meshlm.scheduler.layers.prompt_gemm import PromptGemmChoice, mkl_linear
 
 if TYPE_CHECKING:
     from meshlm.scheduler.kernels.gemm_amx import AmxGemmBf16
@@ -86,6 +89,7 @@ class PackPlan:
     gemm_bf16: PanelGemmBf16 | None = None
     gemm_amx: AmxGemmBf16 | None = None
     checks: PackChecks = field(default_factory=PackChecks)
+    prompt_gemm: PromptGemmChoice = field(default_factory=PromptGemmChoice)
 
 
 def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, plan: PackPlan | None = None) -> PackedLinear | None:
@@ -105,6 +109,7 @@ def try_pack(weight: torch.Tensor, bias: torch.Tensor | None, plan: PackPlan | N
             gemv_bf16=plan.gemv_bf16,
             gemm_bf16=plan.gemm_bf16,
             gemm_amx=plan.gemm_amx,
+            prompt_gemm=plan.prompt_gemm,
         )
     except RuntimeError as e:
         log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, e)
@@ -152,6 +157,7 @@ class PackedLinear:
         gemv_bf16: BlockGemvBf16 | None = None,
         gemm_bf16: PanelGemmBf16 | None = None,
         gemm_amx: AmxGemmBf16 | None = None,
+        prompt_gemm: PromptGemmChoice | None = None,
     ) -> None:
         dtype = dtype or weight.dtype
         if weight.device.type != "cpu" or dtype not in PACK_DTYPES or weight.dim() != 2:
@@ -184,6 +190,15 @@ class PackedLinear:
             self.gemm_bf16, self.panels = gemm_bf16, gemm_bf16.pack(weight)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), batch_hint)
+        # float32 batches the kernels above do not take: oneDNN's packed weight or MKL over W^T
+        self.weight_t: torch.Tensor | None = None
+        if (
+            dtype == torch.float32
+            and prompt_gemm is not None
+            and self.packed is not None
+            and prompt_gemm.choose(weight, bias, self.packed) == "mkl"
+        ):
+            self.weight_t, self.packed = weight.detach().float().t().contiguous(), None
         self.gemm_amx: AmxGemmBf16 | None = None
         self.amx: PackedWeightBf16 | None = None
         if dtype == torch.bfloat16 and gemm_amx is not None and amx_packable(*weight.shape):
@@ -208,13 +223,21 @@ class PackedLinear:
             return self.gemm_amx.gemm(x.to(torch.bfloat16), self.amx, self.bias_f32)
         if self.gemm_bf16 is not None and self.panels is not None:  # a bf16 model: bf16 activations
             return self.gemm_bf16.gemm(x.to(torch.bfloat16), self.panels, self.bias_f32)
+        if self.weight_t is not None:
+            return mkl_linear(x, self.weight_t, self.bias)
         assert self.packed is not None
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
 
     def layout(self) -> tuple[object, ...]:
         """What decides which kernels run and how (see PackChecks)."""
         fmt = self.small.format if self.small is not None else None
-        kernels = (self.blocks is not None, self.gemv_bf16 is not None, self.panels is not None, self.amx is not None)
+        kernels = (
+            self.blocks is not None,
+            self.gemv_bf16 is not None,
+            self.panels is not None,
+            self.amx is not None,
+            self.weight_t is not None,
+        )
         return (self.out_features, self.in_features, self.dtype, fmt, kernels, self.bias is not None)
 
     def matches(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -30,6 +30,7 @@ from meshlm.scheduler.kernels.gemv_bf16 import BlockGemvBf16, gemv_bf16_or_none
 from meshlm.scheduler.layers.cpu_gemm import BF16_GEMV_MAX_ROWS, PackedLinear, PackPlan, prepack_supported
 from meshlm.scheduler.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshlm.scheduler.layers.logits_processor import LogitsProcessorOutput
+from meshlm.scheduler.layers.prompt_gemm import PromptGemmChoice, prompt_gemm_cache_dir
 from meshlm.scheduler.mem_cache.allocator import TokenToKVPoolAllocator
 from meshlm.scheduler.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from meshlm.scheduler.model_config import ModelConfig, parse_dtype
@@ -212,14 +213,17 @@ class ModelRunner:
         before = dataclasses.replace(cache.stats) if cache is not None else None
         packed: list[PackedLinear] = []
         # one self-check per layout, not per weight
-        plan = PackPlan(self.dtype, gemv_ops, gemv_bf16, gemm_bf16, gemm_amx)
+        prompt_gemm = PromptGemmChoice(self.config.cpu_prompt_gemm, prompt_gemm_cache_dir())
+        plan = PackPlan(self.dtype, gemv_ops, gemv_bf16, gemm_bf16, gemm_amx, prompt_gemm=prompt_gemm)
         for module in self.model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.prepack(plan):
                 assert module.packed is not None
                 packed.append(module.packed)
         head = getattr(self.model, "lm_head", None)
         logits = getattr(self.model, "logits_processor", None)
-        if head is not None and logits is not None and logits.prepack(head.weight, plan):
+        # the head's prompt calls are a few rows (last tokens only): not worth timing at TUNE_ROWS
+        head_plan = dataclasses.replace(plan, prompt_gemm=PromptGemmChoice("onednn"))
+        if head is not None and logits is not None and logits.prepack(head.weight, head_plan):
             assert logits.packed_head is not None
             packed.append(logits.packed_head)
         formats = Counter(p.small.format for p in packed if p.small is not None)
@@ -229,7 +233,7 @@ class ModelRunner:
         logger.info(
             "prepacked %d linear weights in %.2fs: %d also as GGUF blocks (GEMV + block GEMM), %d as GGUF "
             "blocks for bf16 batches of <= %d rows, %d for the bf16 panel GEMM, %d for the AMX GEMM (<= %d rows), "
-            "%d for oneDNN; small-batch GEMV "
+            "%d for oneDNN, %d for MKL over W^T (--cpu-prompt-gemm %s); small-batch GEMV "
             "weights: %s (%.0f MiB with the GEMM panels)",
             len(packed),
             time.perf_counter() - t0,
@@ -240,6 +244,8 @@ class ModelRunner:
             sum(p.amx is not None for p in packed),
             AMX_GEMM_MAX_ROWS,
             sum(p.packed is not None for p in packed),
+            sum(p.weight_t is not None for p in packed),
+            prompt_gemm.mode,
             ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) or "none",
             small_mib,
         )

@@ -57,20 +57,23 @@ def compute_golden(model, tokenizer) -> list[Golden]:
     time (no padding)."""
     prompts = [list(tokenizer(p).input_ids) for p in RAW_PROMPTS]
     prompts += [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
-    out: list[Golden] = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([ids], device=model.device),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
-                max_new_tokens=GOLDEN_NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-        new = gen.sequences[0, len(ids) :].tolist()
-        lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, new)]
-        top2 = [step[0].float().topk(2).values.tolist() for step in gen.logits]
-        out.append(Golden(ids, new, lps, [a - b for a, b in top2]))
-    return out
+    return [hf_greedy(model, tokenizer, ids, GOLDEN_NEW_TOKENS) for ids in prompts]
+
+
+def hf_greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> Golden:
+    """HF transformers' greedy continuation of one prompt (no padding), with its logprobs and
+    top-2 margins."""
+    with torch.no_grad():
+        gen = model.generate(
+            torch.tensor([ids], device=model.device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    new = gen.sequences[0, len(ids) :].tolist()
+    lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, new)]
+    top2 = [step[0].float().topk(2).values.tolist() for step in gen.logits]
+    return Golden(ids, new, lps, [a - b for a, b in top2])

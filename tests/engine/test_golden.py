@@ -4,11 +4,10 @@ scheduling configuration that must not change results; pools are whole after eac
 from __future__ import annotations
 
 import pytest
-import torch
 
 from meshlm.scheduler.engine import Engine
 from meshlm.scheduler.layers import cpu_gemm
-from tests.golden import CHAT_PROMPTS, RAW_PROMPTS, SCHEDULING_CONFIGS
+from tests.golden import CHAT_PROMPTS, RAW_PROMPTS, SCHEDULING_CONFIGS, hf_greedy
 
 from .conftest import GOLDEN_NEW_TOKENS, assert_pools_whole
 
@@ -112,18 +111,7 @@ def test_a_long_prompt_through_each_prompt_gemm_matches_hf(
     """A prompt past the block GEMM's rows takes the prompt GEMM (--cpu-prompt-gemm) in every
     layer; either library gives HF's greedy tokens and logprobs."""
     ids = list(smollm_tokenizer(" ".join(RAW_PROMPTS + CHAT_PROMPTS) * 8).input_ids)[:320]
-    with torch.no_grad():
-        gen = hf_smollm.generate(
-            torch.tensor([ids], device=hf_smollm.device),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=hf_smollm.device),
-            max_new_tokens=8,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=smollm_tokenizer.eos_token_id,
-        )
-    want = gen.sequences[0, len(ids) :].tolist()
-    want_lps = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, want)]
+    want = hf_greedy(hf_smollm, smollm_tokenizer, ids, 8)
     rows: list[int] = []
     mkl = cpu_gemm.mkl_linear
     monkeypatch.setattr(cpu_gemm, "mkl_linear", lambda x, w, b: rows.append(x.shape[0]) or mkl(x, w, b))
@@ -134,7 +122,7 @@ def test_a_long_prompt_through_each_prompt_gemm_matches_hf(
         sp = {"temperature": 0, "max_new_tokens": 8}
         (out,) = eng.generate_batch_sync([{"input_ids": ids, "sampling_params": sp, "return_logprob": True}])
         assert_pools_whole(eng)
-    assert out["output_ids"] == want
+    assert out["output_ids"] == want.output_ids
     ours = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
-    assert max(abs(a - b) for a, b in zip(ours, want_lps)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(ours, want.logprobs)) < 1e-3
     assert (len([r for r in rows if r > 256]) >= 30) == (library == "mkl")

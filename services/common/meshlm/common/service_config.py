@@ -67,8 +67,8 @@ class ServiceConfig:
             "grace_period_s": Flag("on SIGTERM, seconds in-flight requests get to finish"),
             "batch_scheduling": Flag(
                 "run under Linux's SCHED_BATCH policy (its wake-ups do not preempt busy threads): for a "
-                "relay on the cores of a scheduler; `meshlm launch` sets it on the gateway, tokenizers "
-                "and detokenizers"
+                "relay on the cores of a scheduler; `meshlm launch --batch-relays` sets it on the gateway, "
+                "tokenizers and detokenizers"
             ),
         }
     )

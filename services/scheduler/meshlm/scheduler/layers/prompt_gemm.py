@@ -81,21 +81,14 @@ class PromptGemmChoice:
         n, k = weight.shape
         shape = (n, k, bias is not None)
         if shape not in self.by_shape:
-            self.by_shape[shape] = self._cached(shape) or self._measure(weight, bias, packed, shape)
+            path = None if self.cache_dir is None else self.cache_dir / f"prompt-gemm-{_cache_key(*shape)}.txt"
+            cached = _read_choice(path)
+            self.by_shape[shape] = cached or self._measure(weight, bias, packed)
+            if cached is None and path is not None:
+                _write_choice(path, self.by_shape[shape])
         return self.by_shape[shape]
 
-    def _path(self, shape: tuple[int, int, bool]) -> Path | None:
-        return None if self.cache_dir is None else self.cache_dir / f"prompt-gemm-{_cache_key(*shape)}.txt"
-
-    def _cached(self, shape: tuple[int, int, bool]) -> str | None:
-        path = self._path(shape)
-        try:
-            value = path.read_text().strip() if path is not None else None
-        except OSError:
-            return None
-        return value if value in ("onednn", "mkl") else None
-
-    def _measure(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor, shape) -> str:
+    def _measure(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> str:
         x = torch.randn(TUNE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
         wt = weight.detach().float().t().contiguous()
         b = None if bias is None else bias.detach().float().contiguous()
@@ -106,23 +99,35 @@ class PromptGemmChoice:
         choice = "mkl" if t_mkl < MKL_MARGIN * t_onednn else "onednn"
         log.info(
             "prompt GEMM of a %dx%d weight at %d rows: oneDNN %.1f ms, MKL %.1f ms -> %s",
-            *shape[:2],
+            *weight.shape,
             TUNE_ROWS,
             1e3 * t_onednn,
             1e3 * t_mkl,
             choice,
         )
-        path = self._path(shape)
-        if path is not None:
-            try:  # written whole, then renamed: a concurrent reader sees all of it or nothing
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-                with os.fdopen(fd, "w") as f:
-                    f.write(choice + "\n")
-                os.replace(tmp, path)
-            except OSError:
-                pass
         return choice
+
+
+def _read_choice(path: Path | None) -> str | None:
+    """A cached choice, or None (no cache, no file, or not a choice)."""
+    try:
+        value = path.read_text().strip() if path is not None else None
+    except OSError:
+        return None
+    return value if value in ("onednn", "mkl") else None
+
+
+def _write_choice(path: Path, choice: str) -> None:
+    """Written whole, then renamed: a concurrent reader sees all of it or nothing. A cache that
+    cannot be written only costs the timing at the next start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(choice + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def mkl_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

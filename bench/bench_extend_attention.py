@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Extend (prefill) attention alone: the CPU backend with its C extend kernel vs the same backend
 with SDPA for long segments (what it did before the kernel, and what torch_native does), same
-pool, same batch, measured in one run. With `--dtype bfloat16` on a CPU with AMX, also the AMX
-extend kernel (csrc/extend_attention_amx.c) and its ratio SDPA / AMX. `--baseline-rev REV` also
+pool, same batch, measured in one run. With `--dtype bfloat16` on a CPU with AMX or AVX512-BF16,
+also the bf16 tile extend kernel (csrc/extend_attention_amx.c; its columns say AMX, and on a CPU
+without AMX its tiles are software ones) and its ratio SDPA / AMX. `--baseline-rev REV` also
 times the kernel under test (the AMX one when it runs, else csrc/extend_attention.c) as it was at
 git revision REV, alternating with the current one, and prints current / REV.
 

@@ -55,7 +55,7 @@ def create_backend(name: str, device: torch.device, num_heads: int = 0, head_dim
         load_amx_extend_kernel,
         load_extend_kernel,
     )
-    from meshlm.scheduler.kernels.cpu_features import cpu_has_amx_bf16
+    from meshlm.scheduler.kernels.cpu_features import cpu_has_amx_bf16, cpu_has_native_bf16
 
     try:
         decode = load_decode_kernel()
@@ -70,9 +70,9 @@ def create_backend(name: str, device: torch.device, num_heads: int = 0, head_dim
     except KernelUnavailable as e:
         log.info("CPU extend-attention kernel unavailable (%s); long extend segments use SDPA", e)
     amx: AmxExtendKernel | None = None
-    if cpu_has_amx_bf16():
+    if cpu_has_native_bf16():  # AMX tiles, or the same tile program on AVX512-BF16
         try:
             amx = load_amx_extend_kernel()
         except KernelUnavailable as e:
-            log.info("AMX extend-attention kernel unavailable (%s); bf16 prompts use SDPA", e)
+            log.info("bf16 tile extend-attention kernel unavailable (%s); bf16 prompts use SDPA", e)
     return CpuAttnBackend(decode, extend, (torch.bfloat16,) if cpu_has_amx_bf16() else (), amx)

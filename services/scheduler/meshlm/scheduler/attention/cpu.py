@@ -10,9 +10,10 @@ same kernel: its query token a, at absolute position prefix + a, is a decode que
 first prefix + a + 1 slots of its request's row. Longer segments go through the extend kernel
 (extend_kernel.py, csrc/extend_attention.c: causal flash attention with GEMM-shaped tiles, all
 the segments of the batch in one call), or torch's SDPA where this build has no such kernel.
-On a CPU with AMX a bf16 pool's long segments go through the AMX extend kernel instead
-(csrc/extend_attention_amx.c: the same flash attention on bf16 tiles). A pool whose dtype the
-kernels do not read (fp8) falls back to torch.
+On a CPU with native bf16 a bf16 pool's long segments go through the tile extend kernel instead
+(csrc/extend_attention_amx.c: the same flash attention on bf16 tiles: AMX's where the CPU has
+them, else the same tile program in software, each tile product as VDPBF16PS on AVX512-BF16).
+A pool whose dtype the kernels do not read (fp8) falls back to torch.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def split_extend(fb: ForwardBatch) -> _SplitExtendMeta:
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
-    """`amx_extend`: the AMX extend kernel, which takes a bf16 pool's long extend segments where
-    given (on a CPU with AMX; ahead of SDPA and the float32 kernel).
+    """`amx_extend`: the bf16 tile extend kernel, which takes a bf16 pool's long extend segments
+    where given (on a CPU with AMX or AVX512-BF16; ahead of SDPA and the float32 kernel).
     `sdpa_kv_dtypes`: pool dtypes whose long extend segments go to torch's SDPA even where the
     extend kernel builds. The kernel computes in float32 FMAs; on a CPU with AMX, SDPA's flash
     attention multiplies bf16 tiles natively and is 2-2.8x faster on a bf16 pool

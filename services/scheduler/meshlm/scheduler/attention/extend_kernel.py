@@ -138,11 +138,12 @@ class ExtendKernel:
 
 class AmxExtendKernel(ExtendKernel):
     """ctypes binding of meshlm_extend_attention_amx: ExtendKernel's call for a bf16 pool (bf16
-    queries), on AMX tiles (csrc/extend_attention_amx.c), into a float32 or bf16 `out`; another
-    pool dtype raises ValueError. `store` writes a batch's new K / V into a bf16 pool in C."""
+    queries), on bf16 tiles (csrc/extend_attention_amx.c: AMX's, or the same program with its
+    tiles in software on AVX512-BF16), into a float32 or bf16 `out`; another pool dtype raises
+    ValueError. `store` writes a batch's new K / V into a bf16 pool in C."""
 
     SYMBOL = "meshlm_extend_attention_amx"
-    NEEDS = "AMX-BF16 (and the OS's permission to use it)"
+    NEEDS = "AMX-BF16 (and the OS's permission to use it) or AVX512-BF16"
     Q_DTYPE = torch.bfloat16
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -243,8 +244,8 @@ class AmxExtendKernel(ExtendKernel):
 
 @functools.lru_cache(maxsize=1)
 def load_amx_extend_kernel() -> AmxExtendKernel:
-    """The AMX kernel for this machine, built on first use; raises KernelUnavailable where the CPU
-    (or the OS) has no AMX-BF16."""
+    """The bf16 tile kernel for this machine, built on first use; raises KernelUnavailable where the
+    CPU has neither AMX-BF16 (with the OS's permission) nor AVX512-BF16."""
     return AmxExtendKernel(load_library(AMX_SOURCE))
 
 

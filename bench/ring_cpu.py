@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_clients import usage_stream  # noqa: E402
 from bench_online import Result, make_workload, run_level  # noqa: E402
@@ -65,10 +63,9 @@ def service_pids(root: int) -> dict[str, list[int]]:
 
 
 async def drive(srv: Server, work: list[dict[str, Any]], c: int) -> Result:
-    async with httpx.AsyncClient(timeout=600) as client:
-        stream = usage_stream(client, srv)
-        await run_level("warmup", stream, work[:2], 2)
-        return await run_level("ring", stream, work, c)
+    stream = usage_stream(srv)
+    await run_level("warmup", stream, work[:2], 2)
+    return await run_level("ring", stream, work, c)
 
 
 def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:

@@ -72,3 +72,52 @@ def test_a_client_that_reads_gets_the_whole_stream():
     asyncio.run(run())
     assert b"".join(chunks).count(b"data: ") == 50
     assert closed == [True] and stalled_count(metrics) == 0
+
+
+def test_a_slow_reader_whose_every_send_returns_in_time_is_never_stalled():
+    """The bound is per send, not per stream: each send waits 0.06 s (under the 0.15 s bound) and
+    the stream lasts ~1.2 s, well past it, yet completes; one timer serves the whole stream."""
+    metrics = GatewayMetrics()
+    closed: list[bool] = []
+    chunks: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        await asyncio.sleep(0.06)
+        if message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    async def run() -> None:
+        response = sse_response(body(20), on_close=lambda: closed.append(True))
+        await asyncio.wait_for(response(scope_of(0.15, metrics), never_disconnects, send), 10)
+
+    asyncio.run(run())
+    assert b"".join(chunks).count(b"data: ") == 20
+    assert closed == [True] and stalled_count(metrics) == 0
+
+
+def test_a_cancel_from_outside_during_a_pending_send_is_not_a_stall():
+    """Cancelling the response (the server shutting down) while a send is blocked propagates as
+    a cancellation, is not counted as a stall, and still runs on_close."""
+    metrics = GatewayMetrics()
+    closed: list[bool] = []
+
+    async def run() -> None:
+        started = asyncio.Event()
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                started.set()
+                await asyncio.Event().wait()
+
+        response = sse_response(body(10), on_close=lambda: closed.append(True))
+        task = asyncio.ensure_future(response(scope_of(5.0, metrics), never_disconnects, send))
+        await started.wait()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return
+        raise AssertionError("the response finished instead of being cancelled")
+
+    asyncio.run(run())
+    assert closed == [True] and stalled_count(metrics) == 0

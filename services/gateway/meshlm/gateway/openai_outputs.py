@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import array
 import base64
+import functools
+import json
 import sys
 from typing import Any
 
@@ -18,6 +20,28 @@ from meshlm.gateway.openai_protocol import (
 )
 from meshlm.gateway.outputs import Output, input_logprob_values
 from meshlm.v1 import common_pb2
+
+_json = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))  # as outputs.sse
+
+
+class CompletionChunks:
+    """The SSE events of one /v1/completions stream's chunks without logprobs, byte for byte what
+    `sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
+    index=..., text=..., finish_reason=..., matched_stop=...)]).model_dump(mode="json"))` gives,
+    formatted around a prefix made once a stream: ~1 us an event against ~7 through pydantic,
+    and a stream sends one an output token."""
+
+    def __init__(self, rid: str, created: int, model: str) -> None:
+        self._head = (
+            f'data: {{"id":{_json(rid)},"object":"text_completion","created":{int(created)},'
+            f'"model":{_json(model)},"choices":[{{"index":'
+        )
+
+    def event(self, index: int, text: str, finish_reason: str | None, matched_stop: int | str | None) -> str:
+        return (
+            f'{self._head}{int(index)},"text":{_json(text)},"logprobs":null,"finish_reason":{_json(finish_reason)},'
+            f'"matched_stop":{_json(matched_stop)}}}],"usage":null}}\n\n'
+        )
 
 
 def usage_of(outputs: dict[int, Output], n: int) -> UsageInfo:

@@ -19,6 +19,7 @@ from meshlm.gateway.json_body import StrictJsonRoute
 from meshlm.gateway.openai_chat import ChatPlan, ChoiceParts, plan_chat
 from meshlm.gateway.openai_fields import report_unsupported
 from meshlm.gateway.openai_outputs import (
+    CompletionChunks,
     base64_floats,
     chat_logprobs_of,
     completion_logprobs_of,
@@ -126,6 +127,7 @@ async def _stream_completion(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     created = now()
     offsets: dict[int, int] = {}  # choice index -> text offset of its next logprob
+    chunks = CompletionChunks(greq.rid, created, model)
 
     def on_response(out: Output, response: tokenizer_pb2.GenerateResponse, first: bool) -> Iterable[str]:
         index = response.index
@@ -140,7 +142,9 @@ async def _stream_completion(
                 len(prefix) if body.echo else None,
                 offsets[index],
             )
-        if prefix or response.text or out.finished or (logprobs and logprobs.tokens):
+        if logprobs is None and (prefix or response.text or out.finished):
+            yield chunks.event(index, prefix + response.text, out.openai_finish_reason(), out.matched_stop())
+        elif prefix or response.text or out.finished or (logprobs and logprobs.tokens):
             choice = CompletionChoice(
                 index=index,
                 text=prefix + response.text,

@@ -1,4 +1,4 @@
-"""meshlm.common.deadline.within: a bounded wait that never loses a cancellation.
+"""meshlm.common.deadline.within and WaitBound: bounded waits that never lose a cancellation.
 
 The case that matters: the awaited result arrives in the same loop iteration as a cancel of the
 waiting task. Python 3.11's asyncio.wait_for returns the result then and the task runs on; a
@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from meshlm.common.deadline import within
+from meshlm.common.deadline import WaitBound, within
 from meshlm.common.errors import ServiceError
 from meshlm.tokenizer.inflight import InFlight
 from meshlm.tokenizer.metrics import TokenizerMetrics
@@ -88,6 +88,41 @@ def test_a_deadline_inside_cleanup_after_a_cancel_still_times_out() -> None:
         return await asyncio.wait_for(task, 5)
 
     assert asyncio.run(run()) == "timed out"
+
+
+def test_wait_bound_keeps_a_cancel_that_races_the_result() -> None:
+    async def run() -> None:
+        q: asyncio.Queue[int] = asyncio.Queue()
+        bound = WaitBound(10)
+        _, cancelled = await _cancel_as_the_result_arrives(lambda: bound.wait(q.get()), lambda: q.put_nowait(1))
+        bound.close()
+        assert cancelled, "the task ran on after its cancel"
+
+    asyncio.run(run())
+
+
+def test_wait_bound_bounds_each_wait_not_the_stream() -> None:
+    """Waits of 0.03 s each under a 0.1 s bound, 1 s in all: none times out. Then one that hangs
+    times out after ~0.1 s (its work cancelled), and the bound serves the next wait again."""
+
+    async def run() -> None:
+        bound = WaitBound(0.1)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for _ in range(33):
+            await bound.wait(asyncio.sleep(0.03))
+        assert loop.time() - start > 0.9
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        t0 = loop.time()
+        with pytest.raises(asyncio.TimeoutError):
+            await bound.wait(inner)
+        assert 0.09 <= loop.time() - t0 < 0.5 and inner.cancelled()
+        assert await bound.wait(asyncio.sleep(0.01, result=5)) == 5
+        with pytest.raises(asyncio.TimeoutError):
+            await bound.wait(asyncio.sleep(10))
+        bound.close()
+
+    asyncio.run(run())
 
 
 def test_inflight_next_event_keeps_a_cancel_that_races_an_event() -> None:

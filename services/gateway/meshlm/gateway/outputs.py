@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
+from meshlm.common.deadline import WaitBound
 from meshlm.common.finish import FinishKind, FinishReason
 from meshlm.gateway.errors import APIError, error_body
 from meshlm.v1 import common_pb2, tokenizer_pb2
@@ -138,52 +138,23 @@ def _stalled(exc: BaseException) -> bool:
 
 
 class StallWatch:
-    """An SSE stream's `send` with the stall bound: a send still pending `stall_s` after it began
-    is cancelled and raises StreamStalled. One timer a stream, armed for the earliest moment the
-    pending send (or, between sends, the next one) could pass the bound, instead of a timeout
-    around every send: an asyncio.timeout costs ~4 us and a timer-heap entry per SSE event, one
-    per output token per stream.
-
-    Invariants: a send that returns before its bound is never cancelled by the watch; one that is
-    cancelled by it raises StreamStalled, any other cancellation propagates; `close` disarms it."""
+    """An SSE stream's `send` with the stall bound: a send still pending stall_s after it began
+    raises StreamStalled (one WaitBound a stream, not a timeout per send, as a stream sends one
+    event per output token). `close` disarms it."""
 
     def __init__(self, send: Any, stall_s: float) -> None:
         self._send = send
         self.stall_s = stall_s
-        self._loop = asyncio.get_running_loop()
-        self._since: float | None = None  # loop time the pending send began; None between sends
-        self._task: asyncio.Task[Any] | None = None
-        self._expired = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._bound = WaitBound(stall_s)
 
     async def __call__(self, message: Any) -> None:
-        self._task = asyncio.current_task()
-        self._since = self._loop.time()
-        if self._timer is None and not self._expired:
-            self._timer = self._loop.call_at(self._since + self.stall_s, self._check)
         try:
-            await self._send(message)
-        except asyncio.CancelledError:
-            if not self._expired:
-                raise
-            if sys.version_info >= (3, 11) and self._task is not None:
-                self._task.uncancel()  # the watch's cancel, not the caller's
+            await self._bound.wait(self._send(message))
+        except asyncio.TimeoutError:
             raise StreamStalled(f"the client accepted nothing for stream_stall_timeout_s={self.stall_s:g}s") from None
-        finally:
-            self._since = None
-
-    def _check(self) -> None:
-        since, now = self._since, self._loop.time()
-        if since is not None and now - since >= self.stall_s and self._task is not None:
-            self._expired, self._timer = True, None
-            self._task.cancel()
-            return
-        self._timer = self._loop.call_at((since if since is not None else now) + self.stall_s, self._check)
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._bound.close()
 
 
 class SSEResponse(StreamingResponse):

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from meshlm.common.deadline import within
+from meshlm.common.deadline import WaitBound
 from meshlm.common.errors import ServiceError
 from meshlm.common.finish import FinishReason
 from meshlm.common.log import request_id_var
@@ -113,6 +113,8 @@ class InFlight:
                 state.conn.send(abort_msg(state.wire_rid, message))
                 if state.kind is not ReqKind.WARMUP:
                     self.metrics.num_aborted_requests.inc()
+        if call.bound is not None:
+            call.bound.close()
         self.calls.discard(call)
         if not self.calls:
             self.idle.set()
@@ -138,8 +140,10 @@ class InFlight:
                 request_id_var.reset(token)
 
     async def next_event(self, call: Call) -> Event:
+        if call.bound is None:
+            call.bound = WaitBound(self.request_timeout_s)
         try:
-            return await within(call.queue.get(), self.request_timeout_s)
+            return await call.bound.wait(call.queue.get())
         except asyncio.TimeoutError:
             raise ServiceError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

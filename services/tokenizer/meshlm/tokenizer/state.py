@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from meshlm.common.deadline import WaitBound
 from meshlm.common.errors import ServiceError
 from meshlm.common.finish import AbortStatus, FinishReason
 from meshlm.tokenizer.request import DeltaTracker
@@ -166,6 +167,7 @@ class Call:
         self.queue: BacklogQueue = BacklogQueue()
         self.states: list[ReqState] = []
         self.started = time.monotonic()
+        self.bound: WaitBound | None = None  # request_timeout_s on each wait for an event (InFlight)
 
 
 class ReqState:

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from meshlm.gateway.app import GatewayMetrics
 from meshlm.gateway.config import GatewayConfig
 from meshlm.gateway.outputs import sse_response
@@ -55,43 +57,31 @@ def test_a_client_that_accepts_nothing_is_dropped_after_the_stall_timeout():
     assert sent[0]["type"] == "http.response.start" and len(sent) == 3
 
 
-def test_a_client_that_reads_gets_the_whole_stream():
+@pytest.mark.parametrize(
+    ("delay_s", "stall_s", "events"),
+    [
+        (0.0, 0.2, 50),
+        # the bound is per send, not per stream: every send takes 0.06 s (under the bound) and
+        # the stream ~1.2 s, well past it, yet completes (one timer serves the whole stream)
+        (0.06, 0.15, 20),
+    ],
+)
+def test_a_client_that_reads_gets_the_whole_stream(delay_s: float, stall_s: float, events: int) -> None:
     metrics = GatewayMetrics()
     closed: list[bool] = []
     chunks: list[bytes] = []
 
     async def send(message: dict[str, Any]) -> None:
-        await asyncio.sleep(0)
+        await asyncio.sleep(delay_s)
         if message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
     async def run() -> None:
-        response = sse_response(body(50), on_close=lambda: closed.append(True))
-        await asyncio.wait_for(response(scope_of(0.2, metrics), never_disconnects, send), 10)
+        response = sse_response(body(events), on_close=lambda: closed.append(True))
+        await asyncio.wait_for(response(scope_of(stall_s, metrics), never_disconnects, send), 10)
 
     asyncio.run(run())
-    assert b"".join(chunks).count(b"data: ") == 50
-    assert closed == [True] and stalled_count(metrics) == 0
-
-
-def test_a_slow_reader_whose_every_send_returns_in_time_is_never_stalled():
-    """The bound is per send, not per stream: each send waits 0.06 s (under the 0.15 s bound) and
-    the stream lasts ~1.2 s, well past it, yet completes; one timer serves the whole stream."""
-    metrics = GatewayMetrics()
-    closed: list[bool] = []
-    chunks: list[bytes] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        await asyncio.sleep(0.06)
-        if message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    async def run() -> None:
-        response = sse_response(body(20), on_close=lambda: closed.append(True))
-        await asyncio.wait_for(response(scope_of(0.15, metrics), never_disconnects, send), 10)
-
-    asyncio.run(run())
-    assert b"".join(chunks).count(b"data: ") == 20
+    assert b"".join(chunks).count(b"data: ") == events
     assert closed == [True] and stalled_count(metrics) == 0
 
 

@@ -44,6 +44,26 @@ class CompletionChunks:
         )
 
 
+class ChatChunks:
+    """The SSE events of one /v1/chat/completions stream's plain content deltas (no role,
+    reasoning, tool calls or logprobs), byte for byte what `sse(ChatCompletionChunk(id=rid,
+    created=created, model=model, choices=[ChatStreamChoice(index=..., delta=DeltaMessage(
+    content=...))]).model_dump(mode="json"))` gives, around a prefix made once a stream (as
+    CompletionChunks: ~1 us an event against ~8 through pydantic)."""
+
+    def __init__(self, rid: str, created: int, model: str) -> None:
+        self._head = (
+            f'data: {{"id":{_json(rid)},"object":"chat.completion.chunk","created":{int(created)},'
+            f'"model":{_json(model)},"choices":[{{"index":'
+        )
+
+    def content_event(self, index: int, content: str) -> str:
+        return (
+            f'{self._head}{int(index)},"delta":{{"content":{_json(content)}}},"logprobs":null,'
+            f'"finish_reason":null,"matched_stop":null}}],"usage":null}}\n\n'
+        )
+
+
 def usage_of(outputs: dict[int, Output], n: int) -> UsageInfo:
     """Prompt tokens count once per prompt (not per sample); completion tokens over all outputs."""
     firsts = [o for i, o in outputs.items() if i % n == 0]

@@ -19,6 +19,7 @@ from meshlm.gateway.json_body import StrictJsonRoute
 from meshlm.gateway.openai_chat import ChatPlan, ChoiceParts, plan_chat
 from meshlm.gateway.openai_fields import report_unsupported
 from meshlm.gateway.openai_outputs import (
+    ChatChunks,
     CompletionChunks,
     base64_floats,
     chat_logprobs_of,
@@ -243,6 +244,7 @@ async def _stream_chat(
         )
 
     parts: dict[int, ChoiceParts] = {}
+    chunks = ChatChunks(greq.rid, created, model)
 
     def on_response(out: Output, response: tokenizer_pb2.GenerateResponse, first: bool) -> Iterable[str]:
         index = response.index
@@ -254,7 +256,10 @@ async def _stream_chat(
         if body.logprobs and len(response.meta_info.logprobs.output_token_logprobs):
             logprobs = chat_logprobs_of(response.meta_info.logprobs, body.top_logprobs or 0)
         delta = choice.feed(response.text) if response.text else None
-        if delta is not None or logprobs:
+        if logprobs is None and delta is not None and _plain_content(delta):
+            assert delta.content is not None
+            yield chunks.content_event(index, delta.content)
+        elif delta is not None or logprobs:
             yield chunk(ChatStreamChoice(index=index, delta=delta or DeltaMessage(), logprobs=logprobs))
         if out.finished:
             rest = choice.finish()
@@ -274,6 +279,16 @@ async def _stream_chat(
             yield chunk(None, usage_of(outputs, body.n))
 
     return sse_response(choice_events(stream, on_response, on_done), on_close=stream.cancel)
+
+
+def _plain_content(delta: DeltaMessage) -> bool:
+    """A delta of content only (what ChatChunks.content_event formats)."""
+    return (
+        delta.content is not None
+        and delta.role is None
+        and delta.reasoning_content is None
+        and delta.tool_calls is None
+    )
 
 
 # ---------------------------------------------------------------------------- embeddings

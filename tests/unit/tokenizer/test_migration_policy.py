@@ -14,7 +14,7 @@ from meshlm.v1 import common_pb2, scheduler_pb2
 
 def state(kind: ReqKind = ReqKind.GENERATE, **req) -> ReqState:
     pb = scheduler_pb2.TokenizedGenerateReqInput(rid="r", input_ids=[1, 2], **req)
-    return ReqState(Call("r"), 0, "r", pb, conn=None, kind=kind)
+    return ReqState(Call("r", request_timeout_s=300.0), 0, "r", pb, conn=None, kind=kind)
 
 
 def lp(token_id: int, text: str = "") -> common_pb2.LogprobDelta:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import array
 import base64
-import functools
-import json
 import sys
 from typing import Any
 
@@ -18,10 +16,17 @@ from meshlm.gateway.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from meshlm.gateway.outputs import Output, input_logprob_values
+from meshlm.gateway.outputs import Output, input_logprob_values, json_compact
 from meshlm.v1 import common_pb2
 
-_json = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))  # as outputs.sse
+
+def _chunk_head(obj: str, rid: str, created: int, model: str) -> str:
+    """A stream chunk's SSE event up to its first choice's index (what every chunk of one stream
+    shares): the fields in the pydantic models' order, JSON as outputs.sse writes it."""
+    return (
+        f'data: {{"id":{json_compact(rid)},"object":"{obj}","created":{int(created)},'
+        f'"model":{json_compact(model)},"choices":[{{"index":'
+    )
 
 
 class CompletionChunks:
@@ -32,15 +37,13 @@ class CompletionChunks:
     and a stream sends one an output token."""
 
     def __init__(self, rid: str, created: int, model: str) -> None:
-        self._head = (
-            f'data: {{"id":{_json(rid)},"object":"text_completion","created":{int(created)},'
-            f'"model":{_json(model)},"choices":[{{"index":'
-        )
+        self._head = _chunk_head("text_completion", rid, created, model)
 
     def event(self, index: int, text: str, finish_reason: str | None, matched_stop: int | str | None) -> str:
         return (
-            f'{self._head}{int(index)},"text":{_json(text)},"logprobs":null,"finish_reason":{_json(finish_reason)},'
-            f'"matched_stop":{_json(matched_stop)}}}],"usage":null}}\n\n'
+            f'{self._head}{int(index)},"text":{json_compact(text)},"logprobs":null,'
+            f'"finish_reason":{json_compact(finish_reason)},"matched_stop":{json_compact(matched_stop)}}}],'
+            '"usage":null}\n\n'
         )
 
 
@@ -52,14 +55,11 @@ class ChatChunks:
     CompletionChunks: ~1 us an event against ~8 through pydantic)."""
 
     def __init__(self, rid: str, created: int, model: str) -> None:
-        self._head = (
-            f'data: {{"id":{_json(rid)},"object":"chat.completion.chunk","created":{int(created)},'
-            f'"model":{_json(model)},"choices":[{{"index":'
-        )
+        self._head = _chunk_head("chat.completion.chunk", rid, created, model)
 
     def content_event(self, index: int, content: str) -> str:
         return (
-            f'{self._head}{int(index)},"delta":{{"content":{_json(content)}}},"logprobs":null,'
+            f'{self._head}{int(index)},"delta":{{"content":{json_compact(content)}}},"logprobs":null,'
             f'"finish_reason":null,"matched_stop":null}}],"usage":null}}\n\n'
         )
 

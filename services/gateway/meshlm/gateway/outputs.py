@@ -7,6 +7,7 @@ one whole message per output when not streaming; `Output.add` handles both the s
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -114,8 +115,12 @@ def input_logprob_values(entries: list[common_pb2.TokenLogprob]) -> list[float |
     ]
 
 
+# The JSON of every SSE event (compact, UTF-8 as is); openai_outputs' chunk formatters share it.
+json_compact = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(obj: Any) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return "data: " + json_compact(obj) + "\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 
 import grpc
 
-from meshlm.common.deadline import WaitBound
 from meshlm.common.errors import ServiceError
 from meshlm.common.finish import FinishReason
 from meshlm.common.log import request_id_var
@@ -100,7 +99,7 @@ class InFlight:
             state.call.queue.put_nowait(ErrorEvent(state, error))
 
     def open_call(self, rid: str) -> Call:
-        call = Call(rid)
+        call = Call(rid, self.request_timeout_s)
         self.calls.add(call)
         self.idle.clear()
         return call
@@ -113,8 +112,7 @@ class InFlight:
                 state.conn.send(abort_msg(state.wire_rid, message))
                 if state.kind is not ReqKind.WARMUP:
                     self.metrics.num_aborted_requests.inc()
-        if call.bound is not None:
-            call.bound.close()
+        call.bound.close()
         self.calls.discard(call)
         if not self.calls:
             self.idle.set()
@@ -140,8 +138,6 @@ class InFlight:
                 request_id_var.reset(token)
 
     async def next_event(self, call: Call) -> Event:
-        if call.bound is None:
-            call.bound = WaitBound(self.request_timeout_s)
         try:
             return await call.bound.wait(call.queue.get())
         except asyncio.TimeoutError:

@@ -162,12 +162,12 @@ class Call:
     queue.nbytes is the size of the undelivered events; InFlight fails the call when it passes
     max_stream_backlog_bytes (a caller that does not read its stream)."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, request_timeout_s: float) -> None:
         self.rid = rid
         self.queue: BacklogQueue = BacklogQueue()
         self.states: list[ReqState] = []
         self.started = time.monotonic()
-        self.bound: WaitBound | None = None  # request_timeout_s on each wait for an event (InFlight)
+        self.bound = WaitBound(request_timeout_s)  # each wait for an event (InFlight.next_event)
 
 
 class ReqState:

@@ -63,11 +63,18 @@ def test_auto_takes_mkl_only_when_clearly_faster(monkeypatch, tmp_path: Path, mk
     monkeypatch.setattr(prompt_gemm, "time_prompt_gemms", _timer(1.0, 1.0 if want == "mkl" else 0.1, calls))
     again = PromptGemmChoice("auto", cache_dir=tmp_path)
     w = torch.randn(48, 32)
-    assert again.choose(w, None, torch.ops.mkldnn._reorder_linear_weight(w, 64)) == want
-    assert len(calls) == 1
+    packs: list[int] = []
+
+    def pack() -> torch.Tensor:
+        packs.append(1)
+        return torch.ops.mkldnn._reorder_linear_weight(w, 64)
+
+    assert again.choose(w, None, pack) == want
+    assert len(calls) == 1 and not packs  # a cached choice packs nothing
+
     # the same shape with a bias is its own layout: timed on its own (this timer says the opposite)
-    assert again.choose(w, torch.randn(48), torch.ops.mkldnn._reorder_linear_weight(w, 64)) != want
-    assert len(calls) == 2
+    assert again.choose(w, torch.randn(48), pack) != want
+    assert len(calls) == 2 and len(packs) == 1
 
 
 def test_auto_times_real_libraries_and_picks_one(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ in bf16, oneDNN multiplies the weights rounded to bf16 and the block GEMV the ex
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -186,19 +187,18 @@ class PackedLinear:
         self.gemm_bf16: PanelGemmBf16 | None = None
         self.panels: PackedWeightBf16 | None = None
         self.packed: torch.Tensor | None = None
+        # float32 batches the kernels above do not take: oneDNN's packed weight or MKL over W^T
+        # (packed once, when the choice times it or keeps oneDNN)
+        self.weight_t: torch.Tensor | None = None
+        pack = functools.cache(
+            lambda: torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), batch_hint)
+        )
         if dtype == torch.bfloat16 and gemm_bf16 is not None and panel_packable(*weight.shape):
             self.gemm_bf16, self.panels = gemm_bf16, gemm_bf16.pack(weight)
+        elif dtype == torch.float32 and prompt_gemm is not None and prompt_gemm.choose(weight, bias, pack) == "mkl":
+            self.weight_t = weight.detach().float().t().contiguous()
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), batch_hint)
-        # float32 batches the kernels above do not take: oneDNN's packed weight or MKL over W^T
-        self.weight_t: torch.Tensor | None = None
-        if (
-            dtype == torch.float32
-            and prompt_gemm is not None
-            and self.packed is not None
-            and prompt_gemm.choose(weight, bias, self.packed) == "mkl"
-        ):
-            self.weight_t, self.packed = weight.detach().float().t().contiguous(), None
+            self.packed = pack()
         self.gemm_amx: AmxGemmBf16 | None = None
         self.amx: PackedWeightBf16 | None = None
         if dtype == torch.bfloat16 and gemm_amx is not None and amx_packable(*weight.shape):

@@ -74,8 +74,9 @@ class PromptGemmChoice:
         if self.mode not in PROMPT_GEMMS:
             raise ValueError(f"prompt_gemm must be one of {PROMPT_GEMMS}, got {self.mode!r}")
 
-    def choose(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> str:
-        """ "onednn" or "mkl" for a float32 weight [N, K] whose oneDNN layout is `packed`."""
+    def choose(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: Callable[[], torch.Tensor]) -> str:
+        """ "onednn" or "mkl" for a float32 weight [N, K]; `pack()` gives its oneDNN layout, asked
+        for only when the shape is timed (a forced or cached choice never packs)."""
         if self.mode != "auto":
             return self.mode
         n, k = weight.shape
@@ -83,7 +84,7 @@ class PromptGemmChoice:
         if shape not in self.by_shape:
             path = None if self.cache_dir is None else self.cache_dir / f"prompt-gemm-{_cache_key(*shape)}.txt"
             cached = _read_choice(path)
-            self.by_shape[shape] = cached or self._measure(weight, bias, packed)
+            self.by_shape[shape] = cached or self._measure(weight, bias, pack())
             if cached is None and path is not None:
                 _write_choice(path, self.by_shape[shape])
         return self.by_shape[shape]

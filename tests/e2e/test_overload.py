@@ -31,7 +31,7 @@ from .conftest import start_system, wait_idle
 
 pytestmark = pytest.mark.timeout(900)
 
-LONG_TOKENS = 128
+LONG_TOKENS = 512  # the load waits below take ~100-130 tokens here; the streams must outlast them and the checks
 PROMPT_A = "Write a long story about a lighthouse keeper and the sea."
 PROMPT_B = "List every planet of the solar system and describe each one."
 

@@ -4,6 +4,7 @@
     python bench/ring_cpu.py                                   # c=64, 64 x 256 in / 128 out
     python bench/ring_cpu.py --concurrency 16 --num-prompts 32
     python bench/ring_cpu.py --py-spy /tmp/prof                # also each service's stacks (py-spy, raw)
+    python bench/ring_cpu.py --perf /tmp/perf                  # also the scheduler's native samples (perf)
     python bench/ring_cpu.py --baseline-rev HEAD               # A/B: the services of a git revision
 
 Starts `meshlm launch` (plus --meshlm-args), drives it with bench_online.py's streaming client
@@ -107,6 +108,12 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
                             stderr=subprocess.DEVNULL,
                         )
                     )
+        if args.perf:
+            args.perf.mkdir(parents=True, exist_ok=True)
+            for pid in pids["scheduler"]:  # native samples: the kernels and libgomp's waits
+                out = args.perf / f"{label}-scheduler-{pid}.data"
+                cmd = ["perf", "record", "-F", "499", "-p", str(pid), "-o", str(out)]
+                spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         before = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
@@ -114,7 +121,7 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
         wall = time.perf_counter() - t0
         me1 = resource.getrusage(resource.RUSAGE_SELF)
         after = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
-        for spy in spies:  # py-spy writes its output on SIGINT
+        for spy in spies:  # py-spy and perf write their output on SIGINT
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
     finally:
@@ -153,6 +160,9 @@ def main() -> None:
     ap.add_argument("--meshlm-args", default="", help="extra `meshlm launch` flags, one string")
     ap.add_argument(
         "--py-spy", type=Path, default=None, help="record each service's stacks (py-spy, collapsed) into this folder"
+    )
+    ap.add_argument(
+        "--perf", type=Path, default=None, help="record the scheduler's native samples (perf record) into this folder"
     )
     ap.add_argument("--baseline-rev", default=None, help="also run the services of this git revision, alternating")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each side with --baseline-rev (default 1)")

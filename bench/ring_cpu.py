@@ -5,6 +5,7 @@
     python bench/ring_cpu.py --concurrency 16 --num-prompts 32
     python bench/ring_cpu.py --py-spy /tmp/prof                # also each service's stacks (py-spy, raw)
     python bench/ring_cpu.py --perf /tmp/perf                  # also the scheduler's native samples (perf)
+    python bench/ring_cpu.py --engine --perf /tmp/perf         # ring vs the in-process engine, by shared object
     python bench/ring_cpu.py --baseline-rev HEAD               # A/B: the services of a git revision
 
 Starts `meshlm launch` (plus --meshlm-args), drives it with bench_online.py's streaming client
@@ -15,6 +16,11 @@ core busy) and microseconds per output token. On a machine with as few cores as 
 has threads, every relay microsecond is taken from the scheduler: these figures say what the
 ring / engine ratio of bench_vs_vllm.py loses, and to whom.
 
+With --engine the same workload then runs through the in-process Engine (a fresh process, the
+same client code in it): it prints ring / engine output tok/s and the scheduler's CPU per token
+against the engine process's; with --perf too, both by shared object (the kernels, libgomp's
+OpenMP waits, the kernel), so the scheduler's extra CPU in the ring is named.
+
 With --baseline-rev the services' Python code (services/) of that revision runs in a worktree
 under the work folder against the same kernels cache, alternating with this tree's, `--rounds`
 times each: the same sitting, as ratios.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import resource
 import signal
@@ -109,7 +116,6 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
                         )
                     )
         if args.perf:
-            args.perf.mkdir(parents=True, exist_ok=True)
             for pid in pids["scheduler"]:  # native samples: the kernels and libgomp's waits
                 out = args.perf / f"{label}-scheduler-{pid}.data"
                 cmd = ["perf", "record", "-F", "499", "-p", str(pid), "-o", str(out)]
@@ -129,7 +135,85 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
     tokens = sum(s.output_tokens for s in res.samples)
     cpu = {s: after[s] - before[s] for s in SERVICES}
     cpu["client"] = (me1.ru_utime + me1.ru_stime) - (me0.ru_utime + me0.ru_stime)
-    return {"label": label, "tok_s": tokens / res.wall, "tokens": tokens, "wall": wall, "cpu": cpu}
+    native = perf_shares(args.perf, label, pids["scheduler"]) if args.perf else {}
+    return {"label": label, "tok_s": tokens / res.wall, "tokens": tokens, "wall": wall, "cpu": cpu, "native": native}
+
+
+def perf_shares(folder: Path, label: str, pids: list[int]) -> dict[str, float]:
+    """Each shared object's share of the scheduler's perf samples (0..1, summed over its threads),
+    from `perf report --sort dso` of the files this run recorded."""
+    shares: dict[str, float] = {}
+    for pid in pids:
+        out = subprocess.run(
+            ["perf", "report", "-i", str(folder / f"{label}-scheduler-{pid}.data"), "--sort", "dso", "--stdio"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) == 2 and fields[0].endswith("%") and not line.startswith("#"):
+                dso = (
+                    fields[1].split("-")[0] if fields[1].endswith(".so") else fields[1]
+                )  # kernel builds: name-<hash>.so
+                shares[dso] = shares.get(dso, 0.0) + float(fields[0].rstrip("%")) / 100 / len(pids)
+    return shares
+
+
+def engine_worker(args: argparse.Namespace) -> None:
+    """The same workload through the in-process Engine and the same client code (this process):
+    prints one JSON line with its figures (and records itself with perf when asked)."""
+    from bench_online import engine_stream
+    from bench_servers import wait_cpu_idle
+
+    from meshlm.scheduler.engine import Engine
+    from meshlm.scheduler.model_loader import resolve_model_path
+
+    work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
+    with Engine(model_path=str(resolve_model_path(None)), load_progress=False) as engine:
+        stream = engine_stream(engine)
+        asyncio.run(run_level("warmup", stream, work[:2], 2))
+        wait_cpu_idle(time.process_time)
+        spy = None
+        if args.perf:
+            out = args.perf / f"engine-scheduler-{os.getpid()}.data"
+            cmd = ["perf", "record", "-F", "499", "-p", str(os.getpid()), "-o", str(out)]
+            spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)  # perf attaches
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        res = asyncio.run(run_level("engine", stream, work, args.concurrency))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
+    tokens = sum(x.output_tokens for x in res.samples)
+    print(
+        json.dumps({"tokens": tokens, "wall": wall, "tok_s": tokens / res.wall, "cpu": cpu, "pid": os.getpid()}),
+        flush=True,
+    )
+
+
+def engine_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    """engine_worker in a fresh process (argv of this script plus --engine-worker)."""
+    argv = [sys.executable, __file__, "--engine-worker", *sys.argv[1:]]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    fig = json.loads(out.strip().splitlines()[-1])
+    native = perf_shares(args.perf, "engine", [fig["pid"]]) if args.perf else {}
+    return {"label": "engine", **fig, "cpu": {"engine": fig["cpu"]}, "native": native}
+
+
+def compare(ring: dict[str, Any], engine: dict[str, Any]) -> None:
+    """Ring / engine throughput, and where the scheduler's extra CPU per token goes."""
+    print(f"\nring / engine: {ring['tok_s'] / engine['tok_s']:.3f} output tok/s")
+    sched = 1e6 * ring["cpu"]["scheduler"] / ring["tokens"]
+    eng = 1e6 * engine["cpu"]["engine"] / engine["tokens"]
+    print(f"CPU us/token: scheduler in the ring {sched:.1f}, engine process (client included) {eng:.1f}")
+    if ring["native"] and engine["native"]:
+        print(f"{'shared object':31s} {'ring':>8s} {'engine':>8s} {'delta':>8s}  (us/token)")
+        for dso in sorted(ring["native"], key=lambda d: -ring["native"][d])[:10]:
+            a = ring["native"][dso] * sched
+            b = engine["native"].get(dso, 0.0) * eng
+            print(f"  {dso[:29]:29s} {a:8.1f} {b:8.1f} {a - b:+8.1f}")
 
 
 def report(r: dict[str, Any]) -> None:
@@ -139,6 +223,10 @@ def report(r: dict[str, Any]) -> None:
         print(f"{name:12s} {sec:8.2f} {sec / r['wall']:6.2f} {1e6 * sec / r['tokens']:9.1f}")
     relays = sum(r["cpu"][s] for s in ("tokenizer", "detokenizer", "gateway"))
     print(f"{'relays':12s} {relays:8.2f} {relays / r['wall']:6.2f} {1e6 * relays / r['tokens']:9.1f}")
+    if r["native"]:  # libgomp: OpenMP threads waiting at barriers or for the next parallel region
+        print(f"scheduler by shared object (perf): {'share':>6s} {'us/token':>9s}")
+        for dso, share in sorted(r["native"].items(), key=lambda kv: -kv[1])[:10]:
+            print(f"  {dso[:30]:31s} {share:6.1%} {1e6 * share * r['cpu']['scheduler'] / r['tokens']:9.1f}")
 
 
 def worktree(rev: str, work_dir: Path) -> Path:
@@ -166,10 +254,24 @@ def main() -> None:
     )
     ap.add_argument("--baseline-rev", default=None, help="also run the services of this git revision, alternating")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each side with --baseline-rev (default 1)")
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="also run the in-process engine (same workload) and compare (not with --baseline-rev)",
+    )
+    ap.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.perf:
+        args.perf.mkdir(parents=True, exist_ok=True)
+    if args.engine_worker:
+        engine_worker(args)
+        return
     work_dir = Path(tempfile.mkdtemp(prefix="ring-cpu-"))
     if args.baseline_rev is None:
-        report(one_run("now", None, args, work_dir))
+        ring = one_run("now", None, args, work_dir)
+        report(ring)
+        if args.engine:
+            compare(ring, engine_run(args, work_dir))
         return
     tree = worktree(args.baseline_rev, work_dir)
     base_path = os.pathsep.join(str(p) for p in sorted((tree / "services").iterdir()) if p.is_dir())

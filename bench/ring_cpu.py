@@ -5,7 +5,7 @@
     python bench/ring_cpu.py --concurrency 16 --num-prompts 32
     python bench/ring_cpu.py --py-spy /tmp/prof                # also each service's stacks (py-spy, raw)
     python bench/ring_cpu.py --perf /tmp/perf                  # also the scheduler's native samples (perf)
-    python bench/ring_cpu.py --engine --perf /tmp/perf         # ring vs the in-process engine, by shared object
+    python bench/ring_cpu.py --engine --perf /tmp/perf --rounds 4   # ring vs the in-process engine, alternating
     python bench/ring_cpu.py --baseline-rev HEAD               # A/B: the services of a git revision
 
 Starts `meshlm launch` (plus --meshlm-args), drives it with bench_online.py's streaming client
@@ -71,9 +71,12 @@ def service_pids(root: int) -> dict[str, list[int]]:
 
 
 async def drive(srv: Server, work: list[dict[str, Any]], c: int) -> Result:
-    stream = usage_stream(srv)
-    await run_level("warmup", stream, work[:2], 2)
-    return await run_level("ring", stream, work, c)
+    return await run_level("ring", usage_stream(srv), work, c)
+
+
+async def warm_up(srv: Server, work: list[dict[str, Any]]) -> None:
+    """Two requests before the measured run (outside its CPU figures and samples)."""
+    await run_level("warmup", usage_stream(srv), work[:2], 2)
 
 
 def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
@@ -90,6 +93,7 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
         wait_idle(srv)  # the KV pool is faulted in on a background thread after /health
         work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
         pids = service_pids(srv.proc.pid)
+        asyncio.run(warm_up(srv, work))
         spies = []
         if args.py_spy:
             args.py_spy.mkdir(parents=True, exist_ok=True)
@@ -120,6 +124,8 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
                 out = args.perf / f"{label}-scheduler-{pid}.data"
                 cmd = ["perf", "record", "-F", "499", "-p", str(pid), "-o", str(out)]
                 spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if spies:
+            time.sleep(0.5)  # the profilers attach
         before = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
@@ -202,18 +208,33 @@ def engine_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     return {"label": "engine", **fig, "cpu": {"engine": fig["cpu"]}, "native": native}
 
 
-def compare(ring: dict[str, Any], engine: dict[str, Any]) -> None:
-    """Ring / engine throughput, and where the scheduler's extra CPU per token goes."""
-    print(f"\nring / engine: {ring['tok_s'] / engine['tok_s']:.3f} output tok/s")
+SPEED_PROBE = "gemm_bf16"  # a fixed amount of arithmetic per token: its CPU time tracks the machine's speed
+
+
+def compare(ring: dict[str, Any], engine: dict[str, Any]) -> tuple[float, float | None]:
+    """Ring / engine throughput, and where the scheduler's extra CPU per token goes. Returns the
+    ratio, and (with perf samples) the ratio adjusted for the machine's speed: times the panel
+    GEMM's CPU per token in the ring over the engine's (the same GEMMs run in both, so a VM that
+    slowed down between the two runs shows there), None without perf samples."""
+    ratio = ring["tok_s"] / engine["tok_s"]
+    print(f"\nring / engine: {ratio:.3f} output tok/s")
     sched = 1e6 * ring["cpu"]["scheduler"] / ring["tokens"]
     eng = 1e6 * engine["cpu"]["engine"] / engine["tokens"]
     print(f"CPU us/token: scheduler in the ring {sched:.1f}, engine process (client included) {eng:.1f}")
-    if ring["native"] and engine["native"]:
-        print(f"{'shared object':31s} {'ring':>8s} {'engine':>8s} {'delta':>8s}  (us/token)")
-        for dso in sorted(ring["native"], key=lambda d: -ring["native"][d])[:10]:
-            a = ring["native"][dso] * sched
-            b = engine["native"].get(dso, 0.0) * eng
-            print(f"  {dso[:29]:29s} {a:8.1f} {b:8.1f} {a - b:+8.1f}")
+    if not (ring["native"] and engine["native"]):
+        return ratio, None
+    print(f"{'shared object':31s} {'ring':>8s} {'engine':>8s} {'delta':>8s}  (us/token)")
+    for dso in sorted(ring["native"], key=lambda d: -ring["native"][d])[:10]:
+        a = ring["native"][dso] * sched
+        b = engine["native"].get(dso, 0.0) * eng
+        print(f"  {dso[:29]:29s} {a:8.1f} {b:8.1f} {a - b:+8.1f}")
+    probe_r, probe_e = ring["native"].get(SPEED_PROBE, 0.0) * sched, engine["native"].get(SPEED_PROBE, 0.0) * eng
+    if not (probe_r and probe_e):
+        return ratio, None
+    adjusted = ratio * probe_r / probe_e
+    print(f"ring / engine adjusted for the machine's speed ({SPEED_PROBE} us/token {probe_r:.0f} / {probe_e:.0f}):")
+    print(f"  {adjusted:.3f}")
+    return ratio, adjusted
 
 
 def report(r: dict[str, Any]) -> None:
@@ -253,7 +274,7 @@ def main() -> None:
         "--perf", type=Path, default=None, help="record the scheduler's native samples (perf record) into this folder"
     )
     ap.add_argument("--baseline-rev", default=None, help="also run the services of this git revision, alternating")
-    ap.add_argument("--rounds", type=int, default=1, help="runs of each side with --baseline-rev (default 1)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each side with --baseline-rev or --engine")
     ap.add_argument(
         "--engine",
         action="store_true",
@@ -267,11 +288,22 @@ def main() -> None:
         engine_worker(args)
         return
     work_dir = Path(tempfile.mkdtemp(prefix="ring-cpu-"))
+    if args.baseline_rev is None and not args.engine:
+        report(one_run("now", None, args, work_dir))
+        return
     if args.baseline_rev is None:
-        ring = one_run("now", None, args, work_dir)
-        report(ring)
-        if args.engine:
-            compare(ring, engine_run(args, work_dir))
+        ratios: list[tuple[float, float | None]] = []
+        for rnd in range(args.rounds):  # the order alternates: the ring first in rounds 1, 3, ...
+            pair: dict[str, dict[str, Any]] = {}
+            for side in ("ring", "engine") if rnd % 2 == 0 else ("engine", "ring"):
+                pair[side] = one_run("now", None, args, work_dir) if side == "ring" else engine_run(args, work_dir)
+            report(pair["ring"])
+            ratios.append(compare(pair["ring"], pair["engine"]))
+        if args.rounds > 1:
+            raw = sorted(a for a, _ in ratios)
+            adj = sorted(b for _, b in ratios if b is not None)
+            print(f"\nring / engine over {args.rounds} rounds: {', '.join(f'{a:.3f}' for a, _ in ratios)}")
+            print(f"median {raw[len(raw) // 2]:.3f}" + (f", adjusted median {adj[len(adj) // 2]:.3f}" if adj else ""))
         return
     tree = worktree(args.baseline_rev, work_dir)
     base_path = os.pathsep.join(str(p) for p in sorted((tree / "services").iterdir()) if p.is_dir())

@@ -26,13 +26,15 @@ With --rounds N > 1 the systems take turns instead: every server is started (one
 timed and measured while the others idle) and stays up; then each level runs on each system in
 turn, N rounds, the systems' order rotating every round, so a machine that drifts (these VMs do,
 by 10-20% over minutes) weighs on every system alike. The report adds, per level, the median of
-each system's runs and of the per-round ratios. The servers not being measured must be idle:
-each run records their CPU (cores busy over the run) and the report flags a run where it passed
+each system's runs and of the per-round ratios. The servers not being measured are paused
+(SIGSTOP of their process groups; SIGCONT, then a wait until the resumed server is idle, before
+its own turn; --no-pause keeps them running): idle, vLLM took 0.04-0.05 of a core, meshlm ~0.01.
+Each run records their CPU (cores busy over the run) and the report flags a run where it passed
 0.05 of a core. --meshlm-variant LABEL=FLAGS (repeatable) starts one more meshlm server,
 `meshlm[LABEL]`, with FLAGS after --meshlm-args: an A/B of meshlm flags against vLLM in one
 sitting, each variant's ratios to vLLM reported beside the default's. The ring / engine pair
 also runs N rounds, alternating which goes first, on new prompts every round (the ring server
-stays up, idle, while the engine runs in this process), and the report gives each round's ratio
+stays up, paused, while the engine runs in this process), and the report gives each round's ratio
 and their median.
 """
 
@@ -62,6 +64,7 @@ from bench_servers import (
     VLLM_VERSION,
     Server,
     ensure_vllm,
+    paused,
     probe_stream,
     pss_mib,
     start_server,
@@ -251,6 +254,11 @@ def parse_args() -> argparse.Namespace:
         help="runs of each level per system; past 1 the servers stay up and take turns (default: 1)",
     )
     ap.add_argument("--no-engine", action="store_true", help="skip the ring/engine measurement")
+    ap.add_argument(
+        "--no-pause",
+        action="store_true",
+        help="with --rounds: keep the servers not being measured running (default: SIGSTOP them for the run)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="save everything here (rewritten after each step)")
     args = ap.parse_args()
     for name, full, quick, _ in SIZES:
@@ -336,14 +344,17 @@ def main() -> None:
         """One level on srv in round `run` (from 1); the servers in `idle` wait."""
         info = rep["systems"][srv.label]
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
+        if not args.no_pause:
+            wait_idle(srv, timeout_s=15.0)  # just continued: its timers catch up first
         idle_cpu0, t0 = sum(tree_cpu_s(s.proc.pid) for s in idle), time.monotonic()
         server_cpu0 = tree_cpu_s(srv.proc.pid)
         try:
-            m = (
-                vllm_bench(args, srv, wl, n, c, work, run)
-                if reason is None
-                else online_bench(srv, wl.prompts(n, wl.seed(args.seed, c, run)), c)
-            )
+            with paused([] if args.no_pause else [s.proc for s in idle]):
+                m = (
+                    vllm_bench(args, srv, wl, n, c, work, run)
+                    if reason is None
+                    else online_bench(srv, wl.prompts(n, wl.seed(args.seed, c, run)), c)
+                )
         except (RuntimeError, OSError, httpx.HTTPError) as e:
             print(f"[{srv.label}] {wl.name} c={c} FAILED: {e}", flush=True)
             info["errors"].append(f"{wl.name} c={c}: {e}")
@@ -368,6 +379,8 @@ def main() -> None:
 
     def ring_turn(srv: Server, turn: Row) -> None:
         print(f"[meshlm] ring, random c={top}, round {turn['round']}, bench_online's client", flush=True)
+        if not args.no_pause:
+            wait_idle(srv, timeout_s=15.0)  # continued after the engine's turn
         try:
             turn["ring"] = online_bench(srv, ring_work(turn["round"]), top)
         except (OSError, httpx.HTTPError) as e:
@@ -376,7 +389,8 @@ def main() -> None:
     def engine_turn(turn: Row, idle: Server | None) -> None:
         print(f"[engine] in-process engine, random c={top}, round {turn['round']}, bench_online's client", flush=True)
         cpu0, t0 = (tree_cpu_s(idle.proc.pid) if idle else 0.0), time.monotonic()
-        turn["engine"] = run_engine(cfg, ring_work(turn["round"]), top)
+        with paused([idle.proc] if idle is not None and not args.no_pause else []):
+            turn["engine"] = run_engine(cfg, ring_work(turn["round"]), top)
         if idle is not None:
             turn["ring_idle_cpu_cores"] = (tree_cpu_s(idle.proc.pid) - cpu0) / (time.monotonic() - t0)
         save()

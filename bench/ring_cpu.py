@@ -17,9 +17,10 @@ has threads, every relay microsecond is taken from the scheduler: these figures 
 ring / engine ratio of bench_vs_vllm.py loses, and to whom.
 
 With --engine the same workload then runs through the in-process Engine (a fresh process, the
-same client code in it): it prints ring / engine output tok/s and the scheduler's CPU per token
-against the engine process's; with --perf too, both by shared object (the kernels, libgomp's
-OpenMP waits, the kernel), so the scheduler's extra CPU in the ring is named.
+same client code in it, the scheduler flags of --meshlm-args): it prints ring / engine output
+tok/s and the scheduler's CPU per token against the engine process's; with --perf too, both by
+shared object (the kernels, libgomp's OpenMP waits, the kernel), so the scheduler's extra CPU in
+the ring is named.
 
 With --baseline-rev the services' Python code (services/) of that revision runs in a worktree
 under the work folder against the same kernels cache, alternating with this tree's, `--rounds`
@@ -33,6 +34,7 @@ import asyncio
 import json
 import os
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -68,6 +70,12 @@ def service_pids(root: int) -> dict[str, list[int]]:
             if f"meshlm.{s}".encode() in cmd:
                 found[s].append(int(proc.name))
     return found
+
+
+def perf_record(pid: int, out: Path) -> subprocess.Popen:
+    """`perf record` of process `pid` into `out` until SIGINT (it writes its file then)."""
+    cmd = ["perf", "record", "-F", "499", "-p", str(pid), "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 async def drive(srv: Server, work: list[dict[str, Any]], c: int) -> Result:
@@ -121,9 +129,7 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
                     )
         if args.perf:
             for pid in pids["scheduler"]:  # native samples: the kernels and libgomp's waits
-                out = args.perf / f"{label}-scheduler-{pid}.data"
-                cmd = ["perf", "record", "-F", "499", "-p", str(pid), "-o", str(out)]
-                spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                spies.append(perf_record(pid, args.perf / f"{label}-scheduler-{pid}.data"))
         if spies:
             time.sleep(0.5)  # the profilers attach
         before = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
@@ -159,9 +165,8 @@ def perf_shares(folder: Path, label: str, pids: list[int]) -> dict[str, float]:
         for line in out.splitlines():
             fields = line.split()
             if len(fields) == 2 and fields[0].endswith("%") and not line.startswith("#"):
-                dso = (
-                    fields[1].split("-")[0] if fields[1].endswith(".so") else fields[1]
-                )  # kernel builds: name-<hash>.so
+                # our kernel builds are named <kernel>-<source hash>.so
+                dso = fields[1].split("-")[0] if fields[1].endswith(".so") else fields[1]
                 shares[dso] = shares.get(dso, 0.0) + float(fields[0].rstrip("%")) / 100 / len(pids)
     return shares
 
@@ -172,19 +177,23 @@ def engine_worker(args: argparse.Namespace) -> None:
     from bench_online import engine_stream
     from bench_servers import wait_cpu_idle
 
+    from meshlm.launch.engine_flags import add_engine_flags
+    from meshlm.scheduler.config import SchedulerConfig
     from meshlm.scheduler.engine import Engine
     from meshlm.scheduler.model_loader import resolve_model_path
 
+    flags = argparse.ArgumentParser(add_help=False)
+    add_engine_flags(flags)  # the ring's scheduler flags (--meshlm-args) apply to the engine too
+    config = SchedulerConfig.from_cli_args(flags.parse_known_args(shlex.split(args.meshlm_args))[0])
+    config = config.replace(model_path=str(resolve_model_path(config.model_path)), load_progress=False)
     work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
-    with Engine(model_path=str(resolve_model_path(None)), load_progress=False) as engine:
+    with Engine(config) as engine:
         stream = engine_stream(engine)
         asyncio.run(run_level("warmup", stream, work[:2], 2))
         wait_cpu_idle(time.process_time)
         spy = None
         if args.perf:
-            out = args.perf / f"engine-scheduler-{os.getpid()}.data"
-            cmd = ["perf", "record", "-F", "499", "-p", str(os.getpid()), "-o", str(out)]
-            spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = perf_record(os.getpid(), args.perf / f"engine-scheduler-{os.getpid()}.data")
             time.sleep(0.5)  # perf attaches
         cpu0, t0 = time.process_time(), time.perf_counter()
         res = asyncio.run(run_level("engine", stream, work, args.concurrency))
@@ -199,7 +208,7 @@ def engine_worker(args: argparse.Namespace) -> None:
     )
 
 
-def engine_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     """engine_worker in a fresh process (argv of this script plus --engine-worker)."""
     argv = [sys.executable, __file__, "--engine-worker", *sys.argv[1:]]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
@@ -296,7 +305,7 @@ def main() -> None:
         for rnd in range(args.rounds):  # the order alternates: the ring first in rounds 1, 3, ...
             pair: dict[str, dict[str, Any]] = {}
             for side in ("ring", "engine") if rnd % 2 == 0 else ("engine", "ring"):
-                pair[side] = one_run("now", None, args, work_dir) if side == "ring" else engine_run(args, work_dir)
+                pair[side] = one_run("now", None, args, work_dir) if side == "ring" else engine_run(args)
             report(pair["ring"])
             ratios.append(compare(pair["ring"], pair["engine"]))
         if args.rounds > 1:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from bench_servers import (
     spawn,
     stop,
     vllm_env,
+    wait_cpu_idle,
 )
 
 WORKLOADS = ("random", "shared-prefix", "mixed")
@@ -260,6 +262,7 @@ def run_engine(config: Any, work: list[dict[str, Any]], c: int) -> Row:
 
         async def go() -> Result:
             await run_level("warmup", engine_stream(engine), work[:2], 2)
+            wait_cpu_idle(time.process_time)  # the KV pool is faulted in by a thread after start-up
             return await run_level("engine", engine_stream(engine), work, c)
 
         return summarize(asyncio.run(go()), "bench_online (in-process engine)")

@@ -344,8 +344,8 @@ def main() -> None:
         """One level on srv in round `run` (from 1); the servers in `idle` wait."""
         info = rep["systems"][srv.label]
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
-        if not args.no_pause:
-            wait_idle(srv, timeout_s=15.0)  # just continued: its timers catch up first
+        if idle and not args.no_pause:
+            wait_idle(srv, timeout_s=15.0)  # paused during the others' turns: its timers catch up first
         idle_cpu0, t0 = sum(tree_cpu_s(s.proc.pid) for s in idle), time.monotonic()
         server_cpu0 = tree_cpu_s(srv.proc.pid)
         try:
@@ -379,8 +379,8 @@ def main() -> None:
 
     def ring_turn(srv: Server, turn: Row) -> None:
         print(f"[meshlm] ring, random c={top}, round {turn['round']}, bench_online's client", flush=True)
-        if not args.no_pause:
-            wait_idle(srv, timeout_s=15.0)  # continued after the engine's turn
+        if args.rounds > 1 and not args.no_pause:
+            wait_idle(srv, timeout_s=15.0)  # paused during the engine's turns: its timers catch up first
         try:
             turn["ring"] = online_bench(srv, ring_work(turn["round"]), top)
         except (OSError, httpx.HTTPError) as e:

@@ -11,12 +11,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from gateway_testlib import MODEL, UNREACHABLE, make_config
+from tests.spans import capture_spans
 
 from meshlm.common.auth import AuthConfig
 from meshlm.gateway.app import create_app
 from meshlm.gateway.config import GatewayConfig
 
 KEY = "s3cret"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 @pytest.fixture
@@ -62,6 +64,16 @@ def test_openai_client_reads_401(keyed_client):
     with pytest.raises(openai.AuthenticationError) as info:
         client.models.list()
     assert "Unauthorized" in info.value.message
+
+
+def test_one_http_span_per_request_and_none_from_fastapi(offline_client):
+    """The telemetry middleware's `http <route>` span is the request's only span: FastAPI's own
+    instrumentation (on by default from FastAPI 0.165 under an SDK tracer provider) stays off."""
+    exporter = capture_spans()
+    assert offline_client.get("/v1/models", headers={"traceparent": TRACEPARENT}).status_code == 200
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["http /v1/models"]
+    assert format(spans[0].context.trace_id, "032x") == TRACEPARENT.split("-")[1]
 
 
 def test_models_without_tokenizer(offline_client):

@@ -8,12 +8,18 @@ Middleware (pure ASGI, so streaming and client-disconnect detection are untouche
   * API key: `Authorization: Bearer <key>` when --api-key is set; /health, /health_generate,
     /metrics and CORS preflights are exempt; otherwise 401 in OpenAI's error shape;
   * body limit: a request body over --max-request-bytes is a 413 (body_limit.py).
+
+FastAPI's own OpenTelemetry instrumentation (FastAPI >= 0.165 turns it on whenever an SDK tracer
+provider is installed, as every meshlm service does) is switched off: the telemetry middleware
+above is the gateway's one HTTP span, so a trace holds no second, duplicate server span nor
+FastAPI's per-operation spans, and a streamed token passes one `send` wrapper fewer.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
+import inspect
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -37,6 +43,14 @@ from meshlm.gateway.state import GatewayState
 
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 VERSION = "0.1.0"
+
+
+def fastapi_telemetry_off() -> dict[str, Any]:
+    """FastAPI's keyword arguments that switch its built-in telemetry off (none where this
+    FastAPI has none)."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
 
 
 class GatewayMetrics:
@@ -151,6 +165,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
         lifespan=lifespan,
         docs_url="/docs",
         openapi_url="/openapi.json",
+        **fastapi_telemetry_off(),
     )
     app.state.gateway = state
     app.state.metrics = metrics

@@ -19,6 +19,15 @@ with float32 queries and new K/V (`--kv-cache-dtype bfloat16` under a float32 mo
 with the float32 pool, and prints bf16 pool / float32 pool.
 
     python bench/bench_attention.py --batch 16 64 --context 320 1024 --threads 2 --bf16-kv
+
+`--scatter` also times the kernel with the same requests' slots spread over a pool of
+`--pool-tokens` slots (the default model's pool on a 24 GiB machine), as a long-running server's
+pool leaves them after the radix cache has evicted and reused slots for a while: in random order
+one slot at a time, and in contiguous runs of 16, 64 and 256 slots placed at random; each against
+the allocator's fresh layout in the same pool, as ratios (bench_kv_aging.py measures the whole
+engine).
+
+    python bench/bench_attention.py --batch 64 --context 320 --dtype bfloat16 --threads 2 --scatter
 """
 
 from __future__ import annotations
@@ -108,6 +117,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline-rev", help="also time the kernel as of this git revision (same run)")
     p.add_argument("--bf16-kv", action="store_true", help="float32: also a bf16 pool under float32 queries")
+    p.add_argument("--scatter", action="store_true", help="also the slots scattered over a large pool")
+    p.add_argument("--pool-tokens", type=int, default=93206, help="pool size with --scatter")
     args = p.parse_args()
     if args.bf16_kv and args.dtype != "float32":
         p.error("--bf16-kv compares against a float32 pool: use it with --dtype float32")
@@ -159,6 +170,48 @@ def main() -> None:
         if fb16 is not None:
             row += f" {t_bf16 * 1e3:>17.2f} {t_bf16 / t_cpu:>9.2f}x"
         print(row)
+        if args.scatter:
+            print_scatter(cpu, fb, attn, lens, args.pool_tokens, args.repeats)
+
+
+SCATTER_RUNS = {"random": 1, "runs of 16": 16, "runs of 64": 64, "runs of 256": 256}
+
+
+def print_scatter(
+    cpu: CpuAttnBackend, fb: ForwardBatch, attn: list[RadixAttention], lens: list[int], pool_tokens: int, repeats: int
+) -> None:
+    """The kernel over fb's requests moved into a pool of pool_tokens slots: as laid out by
+    build() (slots 1.. as the allocator hands them out fresh), then scattered (SCATTER_RUNS), in
+    alternating passes; best of each, and its ratio to the fresh layout."""
+    small = fb.token_to_kv_pool
+    pool = MHATokenToKVPool(pool_tokens + 1, 1, small.dtype, small.head_num, small.head_dim, small.layer_num)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.normal_()
+    fb.token_to_kv_pool = pool
+    table = fb.req_to_token_pool.req_to_token
+    fresh = table.clone()
+    g = torch.Generator().manual_seed(0)
+    layouts = {"fresh": fresh}
+    for name, run in SCATTER_RUNS.items():
+        # Whole runs of `run` consecutive slots, in random order over the pool (slot 0 is padding).
+        starts = torch.randperm((pool_tokens - 1) // run, generator=g)[: -(-sum(lens) // run)] * run + 1
+        slots = (starts[:, None] + torch.arange(run)).reshape(-1)
+        laid = fresh.clone()
+        nxt = 0
+        for i, n in enumerate(lens):
+            laid[i + 1, :n] = slots[nxt : nxt + n]
+            nxt += n
+        layouts[name] = laid
+    best = dict.fromkeys(layouts, float("inf"))
+    for _ in range(3):  # alternate, so drift hits every layout alike
+        for name, laid in layouts.items():
+            table.copy_(laid)
+            fb.out_cache_loc = torch.tensor([int(laid[i + 1, n - 1]) for i, n in enumerate(lens)])
+            best[name] = min(best[name], time_step(cpu, fb, attn, repeats))
+    table.copy_(fresh)
+    fb.token_to_kv_pool = small
+    print(f"    slots over a {pool_tokens}-slot pool, ms/layer (/ fresh): ", end="")
+    print(", ".join(f"{name} {t * 1e3:.3f} ({t / best['fresh']:.2f}x)" for name, t in best.items()))
 
 
 if __name__ == "__main__":

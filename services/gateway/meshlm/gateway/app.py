@@ -18,8 +18,8 @@ FastAPI's per-operation spans, and a streamed token passes one `send` wrapper fe
 from __future__ import annotations
 
 import hmac
-import time
 import inspect
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any

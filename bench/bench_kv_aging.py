@@ -15,11 +15,14 @@ pool runs short, so the free slots end up scattered across the pool), then one m
 do the same work. The default pool (~93K tokens for the default model on a 24 GiB machine) fills
 after about four batches of 64 x 384 tokens.
 
-What it shows (2-core AMD EPYC Zen 5, bf16, 2026-12-07, defaults): aged / fresh 0.934, 0.893, 0.992
-in three rounds (median 0.934). The decode-attention kernel reads a request's KV rows in slot
-order, and rows scattered over the pool, or in short runs, read slower than long contiguous runs:
-`bench_attention.py --scatter` (batch 64, 320 tokens) times random slots at 1.36x the fresh layout,
-runs of 16 slots at 1.88x, of 64 at 1.33x, of 256 at 1.06x.
+What it shows (2-core AMD EPYC Zen 5, bf16, 2026-12-07; these rounds scatter by +-5%): aged / fresh
+0.934, 0.893, 0.992 in three rounds with the defaults (median 0.934), and medians of 0.930-0.961 in
+three more invocations that tried a fix each (see bench/README.md, "Fifth sitting of 2026-12-07"):
+a long-running pool costs a few percent, not yet pinned down. A long-running pool does scatter a
+new prompt's slots (with --page-size 1, ~1800 slots a run while the pool is fresh, ~14 once
+eviction has begun), and the decode-attention kernel reads scattered rows and short runs slower
+(`bench_attention.py --scatter`), but pages of 64 slots taken in long runs (~600 slots a run when
+aged) left the ratio where it was.
 """
 
 from __future__ import annotations

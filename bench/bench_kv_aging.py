@@ -18,11 +18,12 @@ after about four batches of 64 x 384 tokens.
 What it shows (2-core AMD EPYC Zen 5, bf16, 2026-12-07; these rounds scatter by +-5%): aged / fresh
 0.934, 0.893, 0.992 in three rounds with the defaults (median 0.934), and medians of 0.930-0.961 in
 three more invocations that tried a fix each (see bench/README.md, "Fifth sitting of 2026-12-07"):
-a long-running pool costs a few percent, not yet pinned down. A long-running pool does scatter a
-new prompt's slots (with --page-size 1, ~1800 slots a run while the pool is fresh, ~14 once
-eviction has begun), and the decode-attention kernel reads scattered rows and short runs slower
-(`bench_attention.py --scatter`), but pages of 64 slots taken in long runs (~600 slots a run when
-aged) left the ratio where it was.
+a long-running pool may cost a few percent, not yet pinned down (part of such a gap is the machine
+slowing under sustained load: every process then spends more CPU on the same work). A long-running
+pool does scatter a new prompt's slots (with --page-size 1, ~1800 slots a run while the pool is
+fresh, ~14 once eviction has begun), and the decode-attention kernel reads scattered rows and short
+runs slower (`bench_attention.py --scatter`), but pages of 64 slots taken in long runs (~600 slots
+a run when aged) left the ratio where it was.
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ Each run records their CPU (cores busy over the run) and the report flags a run 
 sitting, each variant's ratios to vLLM reported beside the default's. The ring / engine pair
 also runs N rounds, alternating which goes first, on new prompts every round (the ring server
 stays up, paused, while the engine runs in this process), and the report gives each round's ratio
-and their median.
+and their median. The engine is new every round; the ring's prefix cache is flushed before each
+of its turns, so that both start from an empty cache (the ring's would otherwise be full from the
+levels before, and evicting).
 """
 
 from __future__ import annotations
@@ -382,6 +384,11 @@ def main() -> None:
         if args.rounds > 1 and not args.no_pause:
             wait_idle(srv, timeout_s=15.0)  # paused during the engine's turns: its timers catch up first
         try:
+            # The engine is new every round; the ring has served the levels before, and its full
+            # prefix cache would be evicting: both start empty (flush_cache: the ring is idle here).
+            flushed = httpx.post(srv.url + "/flush_cache", timeout=30).json()
+            if not flushed.get("success"):
+                print(f"[meshlm] flush_cache before the ring run failed: {flushed}", flush=True)
             turn["ring"] = online_bench(srv, ring_work(turn["round"]), top)
         except (OSError, httpx.HTTPError) as e:
             print(f"[meshlm] ring run FAILED: {e!r}", flush=True)

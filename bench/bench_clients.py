@@ -255,6 +255,19 @@ def online_bench(srv: Server, work: list[dict[str, Any]], c: int) -> Row:
     return summarize(asyncio.run(go()), "bench_online (tokens from usage)")
 
 
+def engine_config(flags: list[str], model_path: str | None = None) -> Any:
+    """The in-process Engine's SchedulerConfig from `meshlm launch` flags (the engine's among
+    them, the rest ignored): the model path resolved (or `model_path`), no load progress bar."""
+    from meshlm.launch.engine_flags import add_engine_flags
+    from meshlm.scheduler.config import SchedulerConfig
+    from meshlm.scheduler.model_loader import resolve_model_path
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_flags(parser)
+    config = SchedulerConfig.from_cli_args(parser.parse_known_args(flags)[0])
+    return config.replace(model_path=model_path or str(resolve_model_path(config.model_path)), load_progress=False)
+
+
 def run_engine(config: Any, work: list[dict[str, Any]], c: int) -> Row:
     from meshlm.scheduler.engine import Engine
 

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_clients import engine_config  # noqa: E402
 from bench_online import engine_stream, make_workload, run_level  # noqa: E402
 from bench_servers import wait_cpu_idle  # noqa: E402
 
@@ -52,15 +53,9 @@ def main() -> None:
     p.add_argument("--meshlm-args", default="", help="engine flags (as `meshlm launch` takes them), one string")
     args = p.parse_args()
 
-    from meshlm.launch.engine_flags import add_engine_flags
-    from meshlm.scheduler.config import SchedulerConfig
     from meshlm.scheduler.engine import Engine
-    from meshlm.scheduler.model_loader import resolve_model_path
 
-    flags = argparse.ArgumentParser(add_help=False)
-    add_engine_flags(flags)
-    config = SchedulerConfig.from_cli_args(flags.parse_known_args(shlex.split(args.meshlm_args))[0])
-    config = config.replace(model_path=str(resolve_model_path(config.model_path)), load_progress=False)
+    config = engine_config(shlex.split(args.meshlm_args))
     seed = iter(range(1000, 100000))
 
     def batch(label: str) -> float:

@@ -59,7 +59,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_clients import WORKLOADS, Row, Workload, check, online_bench, run_engine, vllm_bench
+from bench_clients import WORKLOADS, Row, Workload, check, engine_config, online_bench, run_engine, vllm_bench
 from bench_online import make_workload  # noqa: E402
 from bench_servers import (
     HOST,
@@ -282,18 +282,14 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from meshlm.launch.engine_flags import add_engine_flags
     from meshlm.launch.launcher import free_port
-    from meshlm.scheduler.config import SchedulerConfig
     from meshlm.scheduler.kernels.cpu_features import cpu_has_native_bf16
     from meshlm.scheduler.model_loader import resolve_model_path
 
     args.model_path = str(resolve_model_path(args.model_path))
     meshlm_extra = shlex.split(args.meshlm_args)
-    eng = argparse.ArgumentParser(add_help=False)
-    add_engine_flags(eng)  # the engine gets the ring's flags: --dtype, then --meshlm-args (last wins)
-    cfg = SchedulerConfig.from_cli_args(eng.parse_known_args(["--dtype", args.dtype, *meshlm_extra])[0])
-    cfg = cfg.replace(model_path=args.model_path, load_progress=False)
+    # the engine gets the ring's flags: --dtype, then --meshlm-args (last wins)
+    cfg = engine_config(["--dtype", args.dtype, *meshlm_extra], model_path=args.model_path)
     vllm_dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cpu_has_native_bf16() else "float32")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     (work / "results").mkdir(parents=True, exist_ok=True)

@@ -174,18 +174,13 @@ def perf_shares(folder: Path, label: str, pids: list[int]) -> dict[str, float]:
 def engine_worker(args: argparse.Namespace) -> None:
     """The same workload through the in-process Engine and the same client code (this process):
     prints one JSON line with its figures (and records itself with perf when asked)."""
+    from bench_clients import engine_config
     from bench_online import engine_stream
     from bench_servers import wait_cpu_idle
 
-    from meshlm.launch.engine_flags import add_engine_flags
-    from meshlm.scheduler.config import SchedulerConfig
     from meshlm.scheduler.engine import Engine
-    from meshlm.scheduler.model_loader import resolve_model_path
 
-    flags = argparse.ArgumentParser(add_help=False)
-    add_engine_flags(flags)  # the ring's scheduler flags (--meshlm-args) apply to the engine too
-    config = SchedulerConfig.from_cli_args(flags.parse_known_args(shlex.split(args.meshlm_args))[0])
-    config = config.replace(model_path=str(resolve_model_path(config.model_path)), load_progress=False)
+    config = engine_config(shlex.split(args.meshlm_args))  # the ring's scheduler flags apply to the engine too
     work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
     with Engine(config) as engine:
         stream = engine_stream(engine)

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from meshlm.common import event_loop
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_online import Result, StreamFn, engine_stream, make_workload, pct, run_level  # noqa: E402
 from bench_servers import (
@@ -252,7 +254,7 @@ def online_bench(srv: Server, work: list[dict[str, Any]], c: int) -> Row:
         await run_level("warmup", stream, work[:2], 2)
         return await run_level("ring", stream, work, c)
 
-    return summarize(asyncio.run(go()), "bench_online (tokens from usage)")
+    return summarize(event_loop.run(go()), "bench_online (tokens from usage)")
 
 
 def engine_config(flags: list[str], model_path: str | None = None) -> Any:
@@ -278,7 +280,7 @@ def run_engine(config: Any, work: list[dict[str, Any]], c: int) -> Row:
             wait_cpu_idle(time.process_time)  # the KV pool is faulted in by a thread after start-up
             return await run_level("engine", engine_stream(engine), work, c)
 
-        return summarize(asyncio.run(go()), "bench_online (in-process engine)")
+        return summarize(event_loop.run(go()), "bench_online (in-process engine)")
 
 
 def check(m: Row, n: int, wl: Workload) -> list[str]:

@@ -29,12 +29,13 @@ a run when aged) left the ratio where it was.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from meshlm.common import event_loop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_clients import engine_config  # noqa: E402
@@ -60,13 +61,13 @@ def main() -> None:
 
     def batch(label: str) -> float:
         work = make_workload("random", args.num_prompts, next(seed), args.input_len, args.output_len)
-        res = asyncio.run(run_level(label, stream, work, args.concurrency))
+        res = event_loop.run(run_level(label, stream, work, args.concurrency))
         return sum(x.output_tokens for x in res.samples) / res.wall
 
     ratios: list[float] = []
     with Engine(config) as engine:
         stream = engine_stream(engine)
-        asyncio.run(run_level("warmup", stream, make_workload("random", 2, 0, args.input_len, 8), 2))
+        event_loop.run(run_level("warmup", stream, make_workload("random", 2, 0, args.input_len, 8), 2))
         wait_cpu_idle(time.process_time)  # the KV pool is faulted in by a thread after start-up
         for r in range(1, args.rounds + 1):
             engine.flush_cache()

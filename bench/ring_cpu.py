@@ -30,7 +30,6 @@ times each: the same sitting, as ratios.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import resource
@@ -42,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from meshlm.common import event_loop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_clients import usage_stream  # noqa: E402
@@ -101,7 +102,7 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
         wait_idle(srv)  # the KV pool is faulted in on a background thread after /health
         work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
         pids = service_pids(srv.proc.pid)
-        asyncio.run(warm_up(srv, work))
+        event_loop.run(warm_up(srv, work))
         spies = []
         if args.py_spy:
             args.py_spy.mkdir(parents=True, exist_ok=True)
@@ -135,7 +136,7 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
         before = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
-        res = asyncio.run(drive(srv, work, args.concurrency))
+        res = event_loop.run(drive(srv, work, args.concurrency))
         wall = time.perf_counter() - t0
         me1 = resource.getrusage(resource.RUSAGE_SELF)
         after = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
@@ -184,14 +185,14 @@ def engine_worker(args: argparse.Namespace) -> None:
     work = make_workload("random", args.num_prompts, args.seed, args.input_len, args.output_len)
     with Engine(config) as engine:
         stream = engine_stream(engine)
-        asyncio.run(run_level("warmup", stream, work[:2], 2))
+        event_loop.run(run_level("warmup", stream, work[:2], 2))
         wait_cpu_idle(time.process_time)
         spy = None
         if args.perf:
             spy = perf_record(os.getpid(), args.perf / f"engine-scheduler-{os.getpid()}.data")
             time.sleep(0.5)  # perf attaches
         cpu0, t0 = time.process_time(), time.perf_counter()
-        res = asyncio.run(run_level("engine", stream, work, args.concurrency))
+        res = event_loop.run(run_level("engine", stream, work, args.concurrency))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
         if spy is not None:
             spy.send_signal(signal.SIGINT)

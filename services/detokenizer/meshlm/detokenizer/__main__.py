@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 
+from meshlm.common import event_loop
 from meshlm.common.cpus import batch_scheduling, serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 from meshlm.common.log import setup_logging
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.batch_scheduling:
         batch_scheduling()
     setup_logging("detokenizer", config.log_level, config.log_format)
-    asyncio.run(serve(config))
+    event_loop.run(serve(config))
     return 0
 
 

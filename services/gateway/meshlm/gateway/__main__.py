@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from meshlm.common import event_loop
 from meshlm.common.cpus import batch_scheduling, serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 
@@ -37,7 +38,8 @@ def build_parser(prog: str = "python -m meshlm.gateway") -> argparse.ArgumentPar
 
 def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
     """uvicorn's settings for the gateway: HTTP/1.1 through httptools (C parser and writer; a
-    dependency of the gateway, so never h11's pure Python), our logging, the drain grace."""
+    dependency of the gateway, so never h11's pure Python), the event loop of the other
+    services (common/event_loop.py), our logging, the drain grace."""
     import uvicorn
 
     return uvicorn.Config(
@@ -45,6 +47,7 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
         host=config.host,
         port=config.port,
         http="httptools",
+        loop=event_loop.loop_name(),
         log_config=None,  # our root logger (setup_logging) formats uvicorn's records too
         log_level=config.log_level.lower(),
         timeout_graceful_shutdown=math.ceil(config.grace_period_s),

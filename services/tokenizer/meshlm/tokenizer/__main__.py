@@ -6,10 +6,10 @@ Flags: see `--help` (every TokenizerConfig field; env fallback MESHLM_TOKENIZER_
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 
+from meshlm.common import event_loop
 from meshlm.common.cpus import batch_scheduling, serial_tokenizers
 from meshlm.common.launcher_watch import exit_with_launcher
 from meshlm.tokenizer.config import TokenizerConfig
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_scheduling()
     from meshlm.tokenizer.service import serve
 
-    return asyncio.run(serve(config))
+    return event_loop.run(serve(config))
 
 
 if __name__ == "__main__":

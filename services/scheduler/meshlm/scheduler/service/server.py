@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from meshlm.common import telemetry
+from meshlm.common import event_loop, telemetry
 from meshlm.common.cpus import batch_scheduling
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.log import setup_logging
@@ -274,7 +274,7 @@ def serve(svc: SchedulerServiceConfig, engine: SchedulerConfig) -> int:
         return await server.serve_until_signal()
 
     try:
-        return asyncio.run(run())
+        return event_loop.run(run())
     finally:
         telemetry.shutdown_telemetry()
 

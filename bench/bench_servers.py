@@ -106,6 +106,29 @@ def pid_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pid_switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches so far of one process, summed over its threads
+    (0, 0 once it is gone). Voluntary: the thread blocked (a relay going back to wait for its next
+    message); involuntary: it was preempted while it could run (a scheduler thread taken off its
+    core by a relay that woke)."""
+    vol = invol = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0, 0
+    for task in tasks:
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                vol += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                invol += int(line.split()[1])
+    return vol, invol
+
+
 def tree_cpu_s(root: int) -> float:
     """CPU seconds (utime + stime) so far of `root`'s session (its process tree, as pss_mib)."""
     ticks = 0

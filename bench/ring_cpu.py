@@ -12,13 +12,16 @@ Starts `meshlm launch` (plus --meshlm-args), drives it with bench_online.py's st
 (tokens counted from usage) and reads each process's CPU seconds (utime + stime from /proc)
 before and after the run: the scheduler, tokenizer, detokenizer and gateway, and this client.
 Prints output tok/s and, per process, CPU seconds, the share of the run's wall time (1.0 = one
-core busy) and microseconds per output token. On a machine with as few cores as the scheduler
-has threads, every relay microsecond is taken from the scheduler: these figures say what the
-ring / engine ratio of bench_vs_vllm.py loses, and to whom.
+core busy), microseconds per output token, and its threads' context switches per 1000 output
+tokens: waits (the thread blocked: a relay's wake-ups) and preemptions (it was taken off a core
+while it could run). On a machine with as few cores as the scheduler has threads, every relay
+microsecond is taken from the scheduler, and every relay wake-up preempts one of its OpenMP
+threads, which stalls the other at the next barrier: these figures say what the ring / engine
+ratio of bench_vs_vllm.py loses, and to whom.
 
 With --engine the same workload then runs through the in-process Engine (a fresh process, the
 same client code in it, the scheduler flags of --meshlm-args): it prints ring / engine output
-tok/s and the scheduler's CPU per token against the engine process's; with --perf too, both by
+tok/s and the scheduler's CPU per token and preemptions against the engine process's; with --perf too, both by
 shared object (the kernels, libgomp's OpenMP waits, the kernel), so the scheduler's extra CPU in
 the ring is named.
 
@@ -47,7 +50,7 @@ from meshlm.common import event_loop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_clients import usage_stream  # noqa: E402
 from bench_online import Result, make_workload, run_level  # noqa: E402
-from bench_servers import HOST, Server, pid_cpu_s, start_server, stop, wait_idle  # noqa: E402
+from bench_servers import HOST, Server, pid_cpu_s, pid_switches, start_server, stop, wait_idle  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("scheduler", "tokenizer", "detokenizer", "gateway")
@@ -134,12 +137,14 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
         if spies:
             time.sleep(0.5)  # the profilers attach
         before = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
+        sw0 = {s: [pid_switches(p) for p in ps] for s, ps in pids.items()}
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         res = event_loop.run(drive(srv, work, args.concurrency))
         wall = time.perf_counter() - t0
         me1 = resource.getrusage(resource.RUSAGE_SELF)
         after = {s: sum(pid_cpu_s(p) for p in ps) for s, ps in pids.items()}
+        sw1 = {s: [pid_switches(p) for p in ps] for s, ps in pids.items()}
         for spy in spies:  # py-spy and perf write their output on SIGINT
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
@@ -148,8 +153,21 @@ def one_run(label: str, python_path: str | None, args: argparse.Namespace, work_
     tokens = sum(s.output_tokens for s in res.samples)
     cpu = {s: after[s] - before[s] for s in SERVICES}
     cpu["client"] = (me1.ru_utime + me1.ru_stime) - (me0.ru_utime + me0.ru_stime)
+    switches = {
+        s: (sum(b[0] - a[0] for a, b in zip(sw0[s], sw1[s])), sum(b[1] - a[1] for a, b in zip(sw0[s], sw1[s])))
+        for s in SERVICES
+    }
+    switches["client"] = (me1.ru_nvcsw - me0.ru_nvcsw, me1.ru_nivcsw - me0.ru_nivcsw)
     native = perf_shares(args.perf, label, pids["scheduler"]) if args.perf else {}
-    return {"label": label, "tok_s": tokens / res.wall, "tokens": tokens, "wall": wall, "cpu": cpu, "native": native}
+    return {
+        "label": label,
+        "tok_s": tokens / res.wall,
+        "tokens": tokens,
+        "wall": wall,
+        "cpu": cpu,
+        "switches": switches,
+        "native": native,
+    }
 
 
 def perf_shares(folder: Path, label: str, pids: list[int]) -> dict[str, float]:
@@ -191,15 +209,24 @@ def engine_worker(args: argparse.Namespace) -> None:
         if args.perf:
             spy = perf_record(os.getpid(), args.perf / f"engine-scheduler-{os.getpid()}.data")
             time.sleep(0.5)  # perf attaches
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        sw0, cpu0, t0 = pid_switches(os.getpid()), time.process_time(), time.perf_counter()
         res = event_loop.run(run_level("engine", stream, work, args.concurrency))
-        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        cpu, wall, sw1 = time.process_time() - cpu0, time.perf_counter() - t0, pid_switches(os.getpid())
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
     tokens = sum(x.output_tokens for x in res.samples)
     print(
-        json.dumps({"tokens": tokens, "wall": wall, "tok_s": tokens / res.wall, "cpu": cpu, "pid": os.getpid()}),
+        json.dumps(
+            {
+                "tokens": tokens,
+                "wall": wall,
+                "tok_s": tokens / res.wall,
+                "cpu": cpu,
+                "switches": [sw1[0] - sw0[0], sw1[1] - sw0[1]],
+                "pid": os.getpid(),
+            }
+        ),
         flush=True,
     )
 
@@ -210,7 +237,13 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     fig = json.loads(out.strip().splitlines()[-1])
     native = perf_shares(args.perf, "engine", [fig["pid"]]) if args.perf else {}
-    return {"label": "engine", **fig, "cpu": {"engine": fig["cpu"]}, "native": native}
+    return {
+        **fig,
+        "label": "engine",
+        "cpu": {"engine": fig["cpu"]},
+        "switches": {"engine": fig["switches"]},
+        "native": native,
+    }
 
 
 SPEED_PROBE = "gemm_bf16"  # a fixed amount of arithmetic per token: its CPU time tracks the machine's speed
@@ -226,6 +259,9 @@ def compare(ring: dict[str, Any], engine: dict[str, Any]) -> tuple[float, float 
     sched = 1e6 * ring["cpu"]["scheduler"] / ring["tokens"]
     eng = 1e6 * engine["cpu"]["engine"] / engine["tokens"]
     print(f"CPU us/token: scheduler in the ring {sched:.1f}, engine process (client included) {eng:.1f}")
+    pre_r = 1e3 * ring["switches"]["scheduler"][1] / ring["tokens"]
+    pre_e = 1e3 * engine["switches"]["engine"][1] / engine["tokens"]
+    print(f"preemptions / 1k tokens: scheduler in the ring {pre_r:.0f}, engine process {pre_e:.0f}")
     if not (ring["native"] and engine["native"]):
         return ratio, None
     print(f"{'shared object':31s} {'ring':>8s} {'engine':>8s} {'delta':>8s}  (us/token)")
@@ -244,9 +280,12 @@ def compare(ring: dict[str, Any], engine: dict[str, Any]) -> tuple[float, float 
 
 def report(r: dict[str, Any]) -> None:
     print(f"\n[{r['label']}] {r['tok_s']:.1f} output tok/s ({r['tokens']} tokens in {r['wall']:.1f} s)")
-    print(f"{'process':12s} {'cpu s':>8s} {'cores':>6s} {'us/token':>9s}")
+    print(f"{'process':12s} {'cpu s':>8s} {'cores':>6s} {'us/token':>9s} {'waits/ktok':>11s} {'preempt/ktok':>13s}")
     for name, sec in r["cpu"].items():
-        print(f"{name:12s} {sec:8.2f} {sec / r['wall']:6.2f} {1e6 * sec / r['tokens']:9.1f}")
+        vol, invol = r["switches"][name]
+        k = 1e3 / r["tokens"]
+        per_token = 1e6 * sec / r["tokens"]
+        print(f"{name:12s} {sec:8.2f} {sec / r['wall']:6.2f} {per_token:9.1f} {vol * k:11.0f} {invol * k:13.0f}")
     relays = sum(r["cpu"][s] for s in ("tokenizer", "detokenizer", "gateway"))
     print(f"{'relays':12s} {relays:8.2f} {relays / r['wall']:6.2f} {1e6 * relays / r['tokens']:9.1f}")
     if r["native"]:  # libgomp: OpenMP threads waiting at barriers or for the next parallel region

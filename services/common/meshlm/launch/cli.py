@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from meshlm.common.grpc_env import prefer_classic_endpoints
+
+    prefer_classic_endpoints()  # first: gRPC reads it when it loads; `launch`'s services inherit it
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "warning").upper()  # `serve` passes its flags to the component
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

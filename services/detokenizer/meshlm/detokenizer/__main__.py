@@ -8,13 +8,13 @@ from collections.abc import Sequence
 
 from meshlm.common import event_loop
 from meshlm.common.cpus import batch_scheduling, serial_tokenizers
+from meshlm.common.grpc_env import prefer_classic_endpoints
 from meshlm.common.launcher_watch import exit_with_launcher
-from meshlm.common.log import setup_logging
-from meshlm.detokenizer.config import DetokenizerConfig
-from meshlm.detokenizer.service import serve
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from meshlm.detokenizer.config import DetokenizerConfig
+
     parser = argparse.ArgumentParser(
         prog="meshlm-detokenizer",
         description="meshlm detokenizer: incremental detokenization of scheduler outputs, "
@@ -27,8 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, configure logging, serve until SIGTERM/SIGINT; returns the exit status."""
+    prefer_classic_endpoints()  # before the config's imports load grpc
     exit_with_launcher()
     serial_tokenizers()
+    from meshlm.common.log import setup_logging
+    from meshlm.detokenizer.config import DetokenizerConfig
+    from meshlm.detokenizer.service import serve
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

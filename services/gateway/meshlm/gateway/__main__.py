@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshlm.common import event_loop
 from meshlm.common.cpus import batch_scheduling, serial_tokenizers
+from meshlm.common.grpc_env import prefer_classic_endpoints
 from meshlm.common.launcher_watch import exit_with_launcher
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prefer_classic_endpoints()  # before the gateway's imports load grpc
     exit_with_launcher()
     serial_tokenizers()
     import uvicorn

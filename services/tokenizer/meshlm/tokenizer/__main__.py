@@ -11,11 +11,13 @@ from collections.abc import Sequence
 
 from meshlm.common import event_loop
 from meshlm.common.cpus import batch_scheduling, serial_tokenizers
+from meshlm.common.grpc_env import prefer_classic_endpoints
 from meshlm.common.launcher_watch import exit_with_launcher
-from meshlm.tokenizer.config import TokenizerConfig
 
 
 def build_parser(prog: str = "python -m meshlm.tokenizer") -> argparse.ArgumentParser:
+    from meshlm.tokenizer.config import TokenizerConfig
+
     parser = argparse.ArgumentParser(
         prog=prog,
         description="meshlm tokenizer service: TokenizerManager + meshlm.v1.TokenizerService",
@@ -25,8 +27,11 @@ def build_parser(prog: str = "python -m meshlm.tokenizer") -> argparse.ArgumentP
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prefer_classic_endpoints()  # before the config's imports load grpc
     exit_with_launcher()
     serial_tokenizers()
+    from meshlm.tokenizer.config import TokenizerConfig
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -8,13 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tests.serving import detokenizer_process
 
-from meshlm.common.ports import free_port
 from meshlm.launch.cli import build_parser, launch_plan
 from meshlm.launch.launcher import plan_children
 
@@ -41,15 +38,6 @@ def test_every_thread_before_and_after_the_call_is_batch() -> None:
     assert policies.strip() == str([os.SCHED_BATCH])
 
 
-def _serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def _policies(pid: int) -> set[int]:
     return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
 
@@ -57,19 +45,9 @@ def _policies(pid: int) -> set[int]:
 def test_a_serving_detokenizer_has_every_thread_under_it(smollm_path: str) -> None:
     """gRPC's threads, started after the flag took effect, included; without the flag, none."""
     for flag, expect in (("--batch-scheduling", os.SCHED_BATCH), ("--no-batch-scheduling", os.SCHED_OTHER)):
-        port = free_port()
-        argv = [sys.executable, "-m", "meshlm.detokenizer", "--host", "127.0.0.1", "--port", str(port)]
-        proc = subprocess.Popen([*argv, "--tokenizer-path", smollm_path, "--log-level", "warning", flag])
-        try:
-            deadline = time.monotonic() + 60
-            while not _serving(f"127.0.0.1:{port}"):
-                assert proc.poll() is None and time.monotonic() < deadline, "the detokenizer did not serve"
-                time.sleep(0.2)
+        with detokenizer_process(smollm_path, flag) as (proc, _):
             assert len(os.listdir(f"/proc/{proc.pid}/task")) > 1
             assert _policies(proc.pid) == {expect}
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
 
 
 def test_launch_asks_it_of_the_relays_only_when_told(tmp_path: Path) -> None:

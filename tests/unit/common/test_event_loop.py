@@ -4,17 +4,13 @@ be imported; a serving relay has uvloop loaded (the gateway's uvicorn: test_gate
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tests.serving import detokenizer_process
 
 from meshlm.common import event_loop
-from meshlm.common.ports import free_port
 
 
 async def _loop_module() -> str:
@@ -32,26 +28,7 @@ def test_without_uvloop_run_is_on_the_standard_loop(monkeypatch: pytest.MonkeyPa
     assert event_loop.run(_loop_module()).startswith("asyncio")
 
 
-def _serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def test_a_serving_detokenizer_runs_uvloop(smollm_path: str) -> None:
-    port = free_port()
-    argv = [sys.executable, "-m", "meshlm.detokenizer", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen([*argv, "--tokenizer-path", smollm_path, "--log-level", "warning"])
-    try:
-        deadline = time.monotonic() + 60
-        while not _serving(f"127.0.0.1:{port}"):
-            assert proc.poll() is None and time.monotonic() < deadline, "the detokenizer did not serve"
-            time.sleep(0.2)
+    with detokenizer_process(smollm_path) as (proc, _):
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         assert "uvloop/loop." in maps  # uvloop's extension module is mapped
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tests.serving import detokenizer_process
 
 from meshlm.common.grpc_env import CLASSIC_ENDPOINTS
-from meshlm.common.ports import free_port
 
 PROBE = """
 import os, sys
@@ -63,29 +62,14 @@ def _switches_per_call(smollm_path: str, env_value: str | None) -> float:
     env.pop("GRPC_EXPERIMENTS", None)
     if env_value is not None:
         env["GRPC_EXPERIMENTS"] = env_value
-    port = free_port()
-    argv = [sys.executable, "-m", "meshlm.detokenizer", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen([*argv, "--tokenizer-path", smollm_path, "--log-level", "warning"], env=env)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    break
-                except grpc.RpcError:
-                    assert proc.poll() is None and time.monotonic() < deadline, "the detokenizer did not serve"
-                    time.sleep(0.2)
-            for _ in range(50):  # connection and first-call work, outside the count
-                stub.Check(health_pb2.HealthCheckRequest())
-            before = _switches(proc.pid)
-            for _ in range(400):
-                stub.Check(health_pb2.HealthCheckRequest())
-            return (_switches(proc.pid) - before) / 400
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with detokenizer_process(smollm_path, env=env) as (proc, address), grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for _ in range(50):  # connection and first-call work, outside the count
+            stub.Check(health_pb2.HealthCheckRequest())
+        before = _switches(proc.pid)
+        for _ in range(400):
+            stub.Check(health_pb2.HealthCheckRequest())
+        return (_switches(proc.pid) - before) / 400
 
 
 def test_a_serving_service_wakes_fewer_threads_per_call(smollm_path: str) -> None:

@@ -16,11 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from meshlm.common.ports import free_port
 
 
-def serving(address: str) -> bool:
-    """Whether grpc.health.v1 at `address` answers SERVING (False while it does not answer)."""
+def serving(address: str, service: str = "") -> bool:
+    """Whether grpc.health.v1 at `address` answers SERVING for `service` ("": the whole server;
+    False while it does not answer)."""
     try:
         with grpc.insecure_channel(address) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False

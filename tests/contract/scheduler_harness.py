@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common import protocol
 from meshlm.scheduler.config import SchedulerConfig
@@ -38,6 +37,7 @@ from meshlm.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from tests.serving import serving
 
 T = TypeVar("T")
 
@@ -80,17 +80,13 @@ def wait_process_serving(proc: subprocess.Popen[Any], address: str, what: str, t
     """Until the gRPC process at address reports meshlm.v1.SchedulerService SERVING; fails at
     once if the process exits during start-up."""
 
-    def serving() -> bool:
-        try:
-            with grpc.insecure_channel(address) as ch:
-                req = health_pb2.HealthCheckRequest(service="meshlm.v1.SchedulerService")
-                st = health_pb2_grpc.HealthStub(ch).Check(req, timeout=1)
-                return st.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            assert proc.poll() is None, "the scheduler exited during start-up"
-            return False
+    def up() -> bool:
+        if serving(address, "meshlm.v1.SchedulerService"):
+            return True
+        assert proc.poll() is None, "the scheduler exited during start-up"
+        return False
 
-    wait_until(serving, timeout, what, interval=0.2)
+    wait_until(up, timeout, what, interval=0.2)
 
 
 class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):

@@ -21,9 +21,10 @@ ratio of bench_vs_vllm.py loses, and to whom.
 
 With --engine the same workload then runs through the in-process Engine (a fresh process, the
 same client code in it, the scheduler flags of --meshlm-args): it prints ring / engine output
-tok/s and the scheduler's CPU per token and preemptions against the engine process's; with --perf too, both by
-shared object (the kernels, libgomp's OpenMP waits, the kernel), so the scheduler's extra CPU in
-the ring is named.
+tok/s and the scheduler's CPU per token and preemptions against the engine process's, and what the
+shared-core model predicts (each relay or client microsecond costs the scheduler two: see
+shared_core_model); with --perf too, both by shared object (the kernels, libgomp's OpenMP waits,
+the kernel), so the scheduler's extra CPU in the ring is named.
 
 With --baseline-rev the services' Python code (services/) of that revision runs in a worktree
 under the work folder against the same kernels cache, alternating with this tree's, `--rounds`
@@ -249,6 +250,24 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
 SPEED_PROBE = "gemm_bf16"  # a fixed amount of arithmetic per token: its CPU time tracks the machine's speed
 
 
+def shared_core_model(ring: dict[str, Any], engine_us: float, measured: float) -> None:
+    """What ring / engine should be when the relays and the client share the scheduler's cores.
+
+    With as many OpenMP threads as cores, a relay (or client) microsecond on a core is taken from
+    one OpenMP thread, and the other thread spends about as long waiting for it at the next
+    barrier: the ring pays each such microsecond twice. With E the engine process's CPU per token
+    and X the relays' and the client's, ring / engine ~ E / (E + 2 X); the target r needs
+    X <= E (1 - r) / (2 r)."""
+    outside = sum(ring["cpu"][s] for s in ("tokenizer", "detokenizer", "gateway", "client"))
+    x = 1e6 * outside / ring["tokens"]
+    model = engine_us / (engine_us + 2 * x)
+    need = engine_us * (1 - 0.95) / (2 * 0.95)
+    print(
+        f"shared-core model E / (E + 2 X), X = relays + client {x:.1f} us/token: {model:.3f} (measured"
+        f" {measured:.3f}); 0.95 needs X <= {need:.0f} us/token"
+    )
+
+
 def compare(ring: dict[str, Any], engine: dict[str, Any]) -> tuple[float, float | None]:
     """Ring / engine throughput, and where the scheduler's extra CPU per token goes. Returns the
     ratio, and (with perf samples) the ratio adjusted for the machine's speed: times the panel
@@ -262,6 +281,7 @@ def compare(ring: dict[str, Any], engine: dict[str, Any]) -> tuple[float, float 
     pre_r = 1e3 * ring["switches"]["scheduler"][1] / ring["tokens"]
     pre_e = 1e3 * engine["switches"]["engine"][1] / engine["tokens"]
     print(f"preemptions / 1k tokens: scheduler in the ring {pre_r:.0f}, engine process {pre_e:.0f}")
+    shared_core_model(ring, eng, ratio)
     if not (ring["native"] and engine["native"]):
         return ratio, None
     print(f"{'shared object':31s} {'ring':>8s} {'engine':>8s} {'delta':>8s}  (us/token)")

@@ -98,6 +98,62 @@ def test_cancel_and_deadline_abort_the_request_at_the_scheduler(tok) -> None:
     asyncio.run(run())
 
 
+def test_request_timeout_bounds_silence_not_a_stream_whose_tokens_flow(tok) -> None:
+    """Over GenerateStream a streaming request's tokens reach the call without waking its task
+    (TokenizerManager.generate's sink), yet request_timeout_s still means "no output for that
+    long": a request streaming for 4x the bound at 50 tokens/s completes, and one whose scheduler
+    goes silent fails with DEADLINE_EXCEEDED and is aborted there."""
+
+    async def run() -> None:
+        async with ring(tok, request_timeout_s=0.3) as r:
+            await ring_ready(r)
+            fake = r.schedulers[0]
+            fake.tokens, fake.step_s = r.tokens * 50, 0.02
+            pool = TokenizerPool([f"127.0.0.1:{r.server.port}"])
+            try:
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                flowing = await pool.generate(request("flowing", 60), timeout=30)
+                assert await text_of(flowing) == tok.decode(fake.tokens[:60])
+                assert loop.time() - t0 > 1.2 - 0.1  # 60 steps of 0.02 s: well past the bound
+                silent = await pool.generate(request("silent", 60), timeout=30)
+                got = []
+                with pytest.raises(ServiceError) as exc:
+                    async for response in silent:
+                        got.append(response.text)
+                        if len(got) == 5:
+                            fake.hold = True  # the scheduler goes silent after 5 tokens
+                assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "".join(got) == tok.decode(fake.tokens[: len(got)]) and len(got) >= 5
+                assert "request_timeout_s" in exc.value.message
+                await wait_for(lambda: any(a.rid == "silent" for a in fake.seen.aborts))
+            finally:
+                await pool.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("with_text", [False, True])
+def test_streamed_logprobs_carry_token_text_only_when_asked(tok, with_text: bool) -> None:
+    """Every response of a streaming logprob request over GenerateStream, the ones its sink
+    takes as much as the last one it yields, has the token texts only with
+    return_text_in_logprobs."""
+
+    async def run() -> None:
+        async with pooled(tok) as (r, pool):
+            req = request("lp", 6)
+            req.return_logprob = True
+            req.return_text_in_logprobs = with_text
+            stream = await pool.generate(req, timeout=30)
+            responses = [x async for x in stream]
+            assert len(responses) >= 2
+            lps = [e for x in responses for e in x.meta_info.logprobs.output_token_logprobs]
+            assert [e.token_id for e in lps] == r.tokens[:6]
+            assert all(bool(e.text) == with_text for e in lps)
+
+    asyncio.run(run())
+
+
 def test_a_tokenizer_without_generate_stream_gets_a_generate_call_each(tok, monkeypatch) -> None:
     async def unimplemented(self, request_iterator, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")

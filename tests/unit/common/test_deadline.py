@@ -125,6 +125,38 @@ def test_wait_bound_bounds_each_wait_not_the_stream() -> None:
     asyncio.run(run())
 
 
+def test_wait_bound_renewed_by_progress_elsewhere_does_not_expire() -> None:
+    """One wait of 0.5 s under a 0.1 s bound, renewed every 0.03 s (a request's deltas delivered
+    past its queue), completes; once the renewals stop it times out ~0.1 s after the last."""
+
+    async def run() -> None:
+        bound = WaitBound(0.1)
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+
+        async def progress(until: float) -> None:
+            while loop.time() < until:
+                await asyncio.sleep(0.03)
+                bound.renew()
+
+        t0 = loop.time()
+        renewer = asyncio.ensure_future(progress(t0 + 0.5))
+        loop.call_later(0.5, done.set)
+        await bound.wait(done.wait())
+        assert loop.time() - t0 >= 0.5
+        await renewer
+        t1 = loop.time()
+        renewer = asyncio.ensure_future(progress(t1 + 0.3))
+        with pytest.raises(asyncio.TimeoutError):
+            await bound.wait(asyncio.sleep(10))
+        assert 0.35 <= loop.time() - t1 < 1.0
+        await renewer
+        bound.renew()  # between waits: nothing to renew
+        bound.close()
+
+    asyncio.run(run())
+
+
 def test_inflight_next_event_keeps_a_cancel_that_races_an_event() -> None:
     async def run() -> None:
         inflight = InFlight(TokenizerMetrics(), request_timeout_s=10)

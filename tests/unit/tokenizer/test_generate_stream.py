@@ -8,7 +8,7 @@ closed, and a draining tokenizer ends an idle call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -22,17 +22,27 @@ from meshlm.v1 import tokenizer_pb2
 class Script:
     """A stand-in for TokenizerManager: request rid "<kind>-<n>" yields n responses, response i
     once the test sets steps[i] when kind is "step", at once when "free"; "busy" and "bad" raise
-    before any output. Records which generators were closed."""
+    before any output. Kinds "sink..." hand responses to the stream's sink (kept in `sinks` by rid,
+    for the test to call as the detokenizer callback would) and yields only its last, index n - 1,
+    once steps[n - 1] is set. Records which generators were closed."""
 
     def __init__(self) -> None:
         self.draining = False
         self.steps = [asyncio.Event() for _ in range(16)]
         self.closed: list[str] = []
         self.text = "x"
+        self.sinks: dict[str, Callable[[tokenizer_pb2.GenerateResponse], None]] = {}
 
-    async def generate(self, request: tokenizer_pb2.GenerateRequest) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+    async def generate(
+        self, request: tokenizer_pb2.GenerateRequest, sink: Callable[[tokenizer_pb2.GenerateResponse], None]
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         kind, n = request.rid.rsplit("-", 1)
         try:
+            if kind.startswith("sink"):
+                self.sinks[request.rid] = sink
+                await self.steps[int(n) - 1].wait()
+                yield tokenizer_pb2.GenerateResponse(index=int(n) - 1, text=self.text)
+                return
             if kind == "busy":
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full (max_queued_requests=1)")
             if kind == "bad":
@@ -102,6 +112,62 @@ def test_a_step_of_every_stream_leaves_as_one_message_and_each_ends_once() -> No
         every = [item for msg in messages for item in msg.items] + tail
         assert ends(every) == {sid: (0, "") for sid in range(1, 6)}
         assert sum(i.HasField("end") for i in every) == 5  # one end each
+
+    asyncio.run(run())
+
+
+def test_sink_responses_leave_in_order_before_the_last_and_in_one_message() -> None:
+    """What a stream's sink takes (a step's deltas, put by the callback that read them, without
+    waking the stream's task) leaves with the other streams' in one message, before the response
+    the task yields last; then each stream ends once."""
+
+    async def run() -> None:
+        script = Script()
+        caller = Caller(script)
+        caller.requests.put_nowait(gen(1, "sink_a-3"))
+        caller.requests.put_nowait(gen(2, "sink_b-3"))
+        for i in range(2):  # two steps, each one callback delivering to both streams
+            reading = asyncio.ensure_future(caller.next())
+            await asyncio.sleep(0.05)
+            for rid in ("sink_a-3", "sink_b-3"):
+                script.sinks[rid](tokenizer_pb2.GenerateResponse(index=i, text=script.text))
+            msg = await reading
+            assert [(it.stream_id, it.response.index) for it in msg.items] == [(1, i), (2, i)]
+        script.steps[2].set()
+        tail = await caller.half_close()
+        assert [(it.stream_id, it.response.index) for it in tail if it.HasField("response")] in (
+            [(1, 2), (2, 2)],
+            [(2, 2), (1, 2)],
+        )
+        assert ends(tail) == {1: (0, ""), 2: (0, "")}
+        assert sum(it.HasField("end") for it in tail) == 2
+
+    asyncio.run(run())
+
+
+def test_a_sink_of_a_cancelled_or_ended_stream_puts_nothing() -> None:
+    """After the caller cancels a stream (its task may not have run yet) or the stream ended, what
+    reaches its sink is dropped: a cancelled stream gets nothing more, an ended one nothing after
+    its end."""
+
+    async def run() -> None:
+        script = Script()
+        caller = Caller(script)
+        caller.requests.put_nowait(gen(1, "sink_a-2"))
+        caller.requests.put_nowait(gen(2, "sink_b-2"))
+        reading = asyncio.ensure_future(caller.next())  # the call runs while it is read
+        await asyncio.sleep(0.05)
+        caller.requests.put_nowait(cancel(1))
+        await asyncio.sleep(0.05)
+        script.sinks["sink_a-2"](tokenizer_pb2.GenerateResponse(index=0, text="late"))
+        script.sinks["sink_b-2"](tokenizer_pb2.GenerateResponse(index=0, text=script.text))
+        script.steps[1].set()
+        await asyncio.sleep(0.05)  # stream 2 yields its last response and ends
+        script.sinks["sink_b-2"](tokenizer_pb2.GenerateResponse(index=5, text="after the end"))
+        items = list((await reading).items) + await caller.half_close()
+        assert [(it.stream_id, it.response.index) for it in items if it.HasField("response")] == [(2, 0), (2, 1)]
+        assert ends(items) == {2: (0, "")}
+        assert "sink_a-2" in script.closed
 
     asyncio.run(run())
 

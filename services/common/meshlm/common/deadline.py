@@ -62,18 +62,27 @@ class WaitBound:
     re-armed from there, instead of a timer-heap entry and a Timeout per wait (~4 us each on
     3.11, once per output token per stream). `close` disarms it.
 
-    Invariants: a wait that completes within timeout_s of its start is never cancelled by the
-    bound; one that does not raises asyncio.TimeoutError; a cancel from outside propagates."""
+    Invariants: a wait that completes (or is renewed) within timeout_s of its start (or last
+    renewal) is never cancelled by the bound; one that does not raises asyncio.TimeoutError; a
+    cancel from outside propagates."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._since: float | None = None  # loop time the pending wait began; None between waits
         self._task: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._expired = False
         self._timer: asyncio.TimerHandle | None = None
 
+    def renew(self) -> None:
+        """The pending wait counts from now: what it waits for made progress another way (a
+        request's deltas delivered without passing through the awaited queue). No-op between
+        waits."""
+        if self._since is not None and self._loop is not None:
+            self._since = self._loop.time()
+
     async def wait(self, aw: Awaitable[T]) -> T:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._since = loop.time()
         if self._timer is None:

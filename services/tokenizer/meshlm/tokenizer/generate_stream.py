@@ -3,13 +3,15 @@
 A Generate call costs a gRPC message per response: at 64 streaming requests that is 64 messages
 per engine step, each ~60 us of grpc.aio on this side and as much on the caller's. Here every
 stream of the call runs `TokenizerManager.generate` as its own task, as a Generate call would,
-and puts its responses in one outbox; the call's writer sends whatever the outbox holds as one
-GenerateStreamResponse. One step's outputs wake every stream's task before the writer (the
-detokenizer's BatchStrOut reaches all of them in one callback), so they leave in one message.
+with a sink: a streaming request's responses but the last are put in the call's outbox by the
+callback that read the detokenizer's BatchStrOut, without waking the stream's task; the task
+yields the last ones (and ends the stream). The call's writer sends whatever the outbox holds as
+one GenerateStreamResponse, so one step's outputs of every stream leave in one message.
 
 Invariants:
 - Per stream id: its responses in order, then exactly one StreamEnd (code 0, or the status its
-  Generate call would have ended with), unless the caller cancelled it (then nothing more).
+  Generate call would have ended with), unless the caller cancelled it (then nothing more: the
+  sink drops what arrives for a stream that is cancelled or ended).
 - A cancel, the caller ending the call, or the call failing cancels the stream's task, which
   aborts its requests at their schedulers (TokenizerManager.generate's cleanup).
 - The outbox holds at most about `max_backlog_bytes` of responses: past it (the caller stopped
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import grpc
@@ -41,11 +43,14 @@ DRAIN_POLL_S = 0.5  # how often an idle call checks whether the tokenizer drains
 
 
 class Generator(Protocol):
-    """What a stream runs: TokenizerManager's generate and draining flag."""
+    """What a stream runs: TokenizerManager's generate (which may hand some responses to sink
+    instead of yielding them, in order before the ones it yields) and draining flag."""
 
     draining: bool
 
-    def generate(self, request: tokenizer_pb2.GenerateRequest) -> AsyncIterator[tokenizer_pb2.GenerateResponse]: ...
+    def generate(
+        self, request: tokenizer_pb2.GenerateRequest, sink: Callable[[tokenizer_pb2.GenerateResponse], None]
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]: ...
 
 
 def end_item(stream_id: int, code: grpc.StatusCode, message: str = "") -> tokenizer_pb2.GenerateStreamItem:
@@ -61,7 +66,8 @@ class GenerateStreamCall:
         self.manager = manager
         self.max_backlog_bytes = max_backlog_bytes
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._outbox: list[tokenizer_pb2.GenerateStreamItem] = []
+        self._live: set[int] = set()  # streams whose responses may still be put (not cancelled or ended)
+        self._outbox = tokenizer_pb2.GenerateStreamResponse()  # built in place, sent as it is
         self._outbox_bytes = 0
         self._wake = asyncio.Event()
         self._reading = True
@@ -80,12 +86,13 @@ class GenerateStreamCall:
                 self._wake.clear()
                 if self._overflow is not None:
                     raise self._overflow
-                if self._outbox:
-                    items, self._outbox, self._outbox_bytes = self._outbox, [], 0
-                    yield tokenizer_pb2.GenerateStreamResponse(items=items)
-                if not self._tasks and not self._outbox and (not self._reading or self.manager.draining):
+                if self._outbox.items:
+                    msg, self._outbox, self._outbox_bytes = self._outbox, tokenizer_pb2.GenerateStreamResponse(), 0
+                    yield msg
+                if not self._tasks and not self._outbox.items and (not self._reading or self.manager.draining):
                     return
         finally:
+            self._live.clear()
             reader.cancel()
             tasks = [reader, *self._tasks.values()]
             for task in tasks:
@@ -101,6 +108,7 @@ class GenerateStreamCall:
                 elif kind == "cancel":
                     task = self._tasks.get(msg.stream_id)
                     if task is not None:
+                        self._live.discard(msg.stream_id)
                         task.cancel()
         finally:
             self._reading = False
@@ -110,24 +118,39 @@ class GenerateStreamCall:
         if stream_id in self._tasks:
             self._put(end_item(stream_id, grpc.StatusCode.INVALID_ARGUMENT, f"stream_id {stream_id} is running"))
             return
+        self._live.add(stream_id)
         self._tasks[stream_id] = asyncio.create_task(self._one(stream_id, request), name=f"generate-stream-{stream_id}")
 
     async def _one(self, stream_id: int, request: tokenizer_pb2.GenerateRequest) -> None:
+        def sink(response: tokenizer_pb2.GenerateResponse) -> None:
+            if stream_id in self._live:
+                self._put_response(stream_id, response)
+
         try:
-            async with contextlib.aclosing(self.manager.generate(request)) as outputs:  # type: ignore[type-var]
+            async with contextlib.aclosing(self.manager.generate(request, sink)) as outputs:  # type: ignore[type-var]
                 async for response in outputs:
-                    self._put(tokenizer_pb2.GenerateStreamItem(stream_id=stream_id, response=response))
+                    self._put_response(stream_id, response)
             self._put(end_item(stream_id, grpc.StatusCode.OK))
         except asyncio.CancelledError:
             pass  # cancelled by the caller or the call's end: nothing more for this id
         except Exception as e:
             self._put(end_item(stream_id, *status_of(e, "GenerateStream")))
         finally:
+            self._live.discard(stream_id)
             self._tasks.pop(stream_id, None)
             self._wake.set()
 
+    def _put_response(self, stream_id: int, response: tokenizer_pb2.GenerateResponse) -> None:
+        item = self._outbox.items.add(stream_id=stream_id)
+        item.response.CopyFrom(response)
+        self._added(item)
+
     def _put(self, item: tokenizer_pb2.GenerateStreamItem) -> None:
-        self._outbox.append(item)
+        self._outbox.items.append(item)  # a copy
+        self._added(self._outbox.items[-1])
+
+    def _added(self, item: tokenizer_pb2.GenerateStreamItem) -> None:
+        """Account for the item just added to the outbox; past max_backlog_bytes, overflow."""
         self._outbox_bytes += item.ByteSize()
         self._wake.set()
         if self._outbox_bytes > self.max_backlog_bytes and self._overflow is None:
@@ -137,5 +160,6 @@ class GenerateStreamCall:
                 f" max_stream_backlog_bytes={self.max_backlog_bytes}); every stream aborted",
             )
             logger.warning("%s", self._overflow.message)
+            self._live.clear()
             for task in self._tasks.values():
                 task.cancel()

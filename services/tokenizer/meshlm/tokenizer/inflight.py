@@ -8,6 +8,10 @@ migration), or a late resend. What each Generate output delivered is also kept
 (ReqState.received) for a migration to resume from.
 `idle` is set while no call is open (drain waits on it).
 
+A streaming call whose caller takes responses as they come (Call.direct, GenerateStream) gets a
+request's unfinished deltas from the callback that read them, without the queue and the wake-up
+of the call's task; its last delta and any error still come through the queue.
+
 A caller that does not read its stream (the RPC handler blocked in a yield while gRPC's flow
 control is full) makes its call's queue grow; past max_stream_backlog_bytes of undelivered output
 the call fails (overflow): its requests are aborted at their schedulers at once (KV freed), the
@@ -166,9 +170,14 @@ class InFlight:
                 self.pop(state)
                 if state.kind is ReqKind.GENERATE:
                     self.metrics.observe_finish(state, delta.finish, now)
-            state.call.queue.put_nowait(DeltaEvent(state, delta))
-            if state.call.queue.nbytes > self.max_stream_backlog_bytes:
-                self.overflow(state.call)
+            call = state.call
+            if delta.finish is None and call.direct is not None:
+                call.direct(state, delta)
+                call.bound.renew()  # output arrived: the request is not idle
+                continue
+            call.queue.put_nowait(DeltaEvent(state, delta))
+            if call.queue.nbytes > self.max_stream_backlog_bytes:
+                self.overflow(call)
 
     def overflow(self, call: Call) -> None:
         """The caller is not reading: abort the call's unfinished requests, drop its backlog and

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -53,7 +53,9 @@ from meshlm.tokenizer.request import (
 )
 from meshlm.tokenizer.state import (
     Call,
+    Delta,
     DeltaEvent,
+    DirectDelivery,
     EmbeddingEvent,
     ErrorEvent,
     ReqKind,
@@ -66,6 +68,20 @@ from meshlm.tokenizer.state import (
 from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 
 logger = logging.getLogger(__name__)
+
+# Takes a streaming request's response as soon as its delta is read (TokenizerManager.generate).
+ResponseSink = Callable[[tokenizer_pb2.GenerateResponse], None]
+
+
+def _direct_delivery(sink: ResponseSink, strip_text: bool) -> DirectDelivery:
+    """A call's delivery of unfinished deltas to sink, as the generate loop would yield them."""
+
+    def deliver(state: ReqState, delta: Delta) -> None:
+        if strip_text and delta.logprobs is not None:
+            strip_logprob_text(delta.logprobs)
+        sink(response_of(state, delta.text, delta.ids, delta.logprobs, None))
+
+    return deliver
 
 
 class TokenizerManager:
@@ -221,9 +237,14 @@ class TokenizerManager:
 
     # ---- Generate -------------------------------------------------------------------------
     async def generate(
-        self, request: tokenizer_pb2.GenerateRequest
+        self, request: tokenizer_pb2.GenerateRequest, sink: ResponseSink | None = None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        """Deltas (stream) or, per index, the whole output when it finishes (non-stream)."""
+        """Deltas (stream) or, per index, the whole output when it finishes (non-stream).
+
+        sink: for a streaming request, every response but each output's last is handed to it, from
+        the callback that read the delta, instead of being yielded (one task wake-up and one
+        generator step fewer per token: GenerateStream's streams); the last ones are yielded
+        after it. Ignored for a non-streaming request."""
         self.check_accepting()
         self._check_model_kind(generation=True)
         tok = self._tok()
@@ -264,6 +285,8 @@ class TokenizerManager:
                     ]
                     await self._run_warmups(call, warm)
                 samples = [ReqState(call, s.index, s.rid, s.req, conns[s.prompt_index]) for s in norm.subs]
+                if sink is not None and request.stream:
+                    call.direct = _direct_delivery(sink, strip_text=not request.return_text_in_logprobs)
                 self._submit(samples)
                 pending = set(samples)
                 while pending:

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,10 +158,20 @@ class BacklogQueue(asyncio.Queue["Event"]):
         return dropped
 
 
+# A streaming call's delivery of a request's unfinished delta, made by the callback that read it
+# (InFlight.on_batch_str_out) instead of through the call's queue. Must not raise or await.
+DirectDelivery = Callable[["ReqState", Delta], None]
+
+
 class Call:
     """One RPC (Generate or Embed): its requests and the queue their events arrive on. Invariant:
     queue.nbytes is the size of the undelivered events; InFlight fails the call when it passes
-    max_stream_backlog_bytes (a caller that does not read its stream)."""
+    max_stream_backlog_bytes (a caller that does not read its stream).
+
+    With `direct` set (a streaming Generate whose caller takes responses as they come, see
+    TokenizerManager.generate's sink) a request's unfinished deltas go to it and only its last
+    delta, and errors, to the queue: the last delta of a request is read after all its others, so
+    its responses stay in order."""
 
     def __init__(self, rid: str, request_timeout_s: float) -> None:
         self.rid = rid
@@ -168,6 +179,7 @@ class Call:
         self.states: list[ReqState] = []
         self.started = time.monotonic()
         self.bound = WaitBound(request_timeout_s)  # each wait for an event (InFlight.next_event)
+        self.direct: DirectDelivery | None = None
 
 
 class ReqState:

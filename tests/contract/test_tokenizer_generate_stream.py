@@ -133,6 +133,29 @@ def test_request_timeout_bounds_silence_not_a_stream_whose_tokens_flow(tok) -> N
     asyncio.run(run())
 
 
+def test_parallel_samples_stream_each_output_once_and_no_warmup(tok) -> None:
+    """n=3 over GenerateStream: the prefix warm-up runs first and shows nowhere in the stream;
+    each output's deltas (delivered straight from the BatchStrOut callback) and its last response
+    make its text exactly once, in order, ending with its own id."""
+
+    async def run() -> None:
+        async with pooled(tok) as (r, pool):
+            req = request("par", 4)
+            req.sampling_params.n = 3
+            stream = await pool.generate(req, timeout=30)
+            responses = [x async for x in stream]
+            assert sorted({x.index for x in responses}) == [0, 1, 2]
+            for i in range(3):
+                mine = [x for x in responses if x.index == i]
+                assert "".join(x.text for x in mine) == tok.decode(r.tokens[:4])
+                assert [x.finished for x in mine] == [False] * (len(mine) - 1) + [True]
+                assert mine[-1].meta_info.id == f"par_{i}"
+            seen = [g.rid for g in r.schedulers[0].seen.generate]
+            assert seen[0] == "par_warmup_0" and set(seen[1:]) == {f"par_{i}" for i in range(3)}
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("with_text", [False, True])
 def test_streamed_logprobs_carry_token_text_only_when_asked(tok, with_text: bool) -> None:
     """Every response of a streaming logprob request over GenerateStream, the ones its sink

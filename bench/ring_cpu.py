@@ -55,6 +55,7 @@ from bench_servers import HOST, Server, pid_cpu_s, pid_switches, start_server, s
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("scheduler", "tokenizer", "detokenizer", "gateway")
+RELAYS = SERVICES[1:]  # the services between the client and the scheduler
 
 
 def service_pids(root: int) -> dict[str, list[int]]:
@@ -258,7 +259,7 @@ def shared_core_model(ring: dict[str, Any], engine_us: float, measured: float) -
     barrier: the ring pays each such microsecond twice. With E the engine process's CPU per token
     and X the relays' and the client's, ring / engine ~ E / (E + 2 X); the target r needs
     X <= E (1 - r) / (2 r)."""
-    relays = 1e6 * sum(ring["cpu"][s] for s in ("tokenizer", "detokenizer", "gateway")) / ring["tokens"]
+    relays = 1e6 * sum(ring["cpu"][s] for s in RELAYS) / ring["tokens"]
     x = relays + 1e6 * ring["cpu"]["client"] / ring["tokens"]
     need = engine_us * (1 - 0.95) / (2 * 0.95)
     print(
@@ -306,7 +307,7 @@ def report(r: dict[str, Any]) -> None:
         k = 1e3 / r["tokens"]
         per_token = 1e6 * sec / r["tokens"]
         print(f"{name:12s} {sec:8.2f} {sec / r['wall']:6.2f} {per_token:9.1f} {vol * k:11.0f} {invol * k:13.0f}")
-    relays = sum(r["cpu"][s] for s in ("tokenizer", "detokenizer", "gateway"))
+    relays = sum(r["cpu"][s] for s in RELAYS)
     print(f"{'relays':12s} {relays:8.2f} {relays / r['wall']:6.2f} {1e6 * relays / r['tokens']:9.1f}")
     if r["native"]:  # libgomp: OpenMP threads waiting at barriers or for the next parallel region
         print(f"scheduler by shared object (perf): {'share':>6s} {'us/token':>9s}")

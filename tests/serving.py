@@ -16,15 +16,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from meshlm.common.ports import free_port
 
 
-def serving(address: str, service: str = "") -> bool:
-    """Whether grpc.health.v1 at `address` answers SERVING for `service` ("": the whole server;
-    False while it does not answer)."""
+def health_status(address: str, service: str = "") -> int | None:
+    """What grpc.health.v1 at `address` answers for `service` ("": the whole server), a
+    HealthCheckResponse status; None while it does not answer."""
     try:
         with grpc.insecure_channel(address) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return reply.status
     except grpc.RpcError:
-        return False
+        return None
+
+
+def serving(address: str, service: str = "") -> bool:
+    """Whether grpc.health.v1 at `address` answers SERVING for `service` (False while it does
+    not answer)."""
+    return health_status(address, service) == health_pb2.HealthCheckResponse.SERVING
 
 
 @contextmanager

@@ -9,12 +9,12 @@ import signal
 import time
 import urllib.request
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from meshlm.common.ports import free_port
 from meshlm.v1 import common_pb2
+from tests.serving import health_status
 
 from .scheduler_harness import (
     PROMPT,
@@ -176,12 +176,7 @@ def test_process_serves_metrics_and_drains_on_sigterm(tiny_llama: str) -> None:
         proc.send_signal(signal.SIGTERM)
 
         def not_serving() -> bool:
-            try:
-                with grpc.insecure_channel(address) as ch:
-                    st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1)
-                    return st.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            except grpc.RpcError:
-                return False
+            return health_status(address, SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
 
         wait_until(not_serving, 5, "NOT_SERVING after SIGTERM")
         tok.generate("too-late", PROMPT, sampling_params=greedy(2))

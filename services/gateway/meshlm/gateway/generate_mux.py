@@ -17,6 +17,9 @@ Invariants:
   MAX_BACKLOG_BYTES of responses its reader has not taken (RESOURCE_EXHAUSTED, cancelled: an
   SSE client that does not read cannot make the gateway buffer without bound).
 - A call that fails is replaced by a new one at the next open(); its streams never move.
+- set_direct: a response with nothing queued before it may be taken by the stream's consumer
+  in the reader itself (openai_streams.choice_events); what it declines, and every end, is
+  queued: the consumer sees each response once, in order.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -73,6 +76,12 @@ class GenerateStream:
     def cancel(self) -> None:
         raise NotImplementedError
 
+    def set_direct(self, deliver: Callable[[tokenizer_pb2.GenerateResponse], bool] | None) -> bool:
+        """Hand the responses that arrive from now on to `deliver` as they arrive, in the
+        receiving code, instead of queueing them for next_response (None: queue them again);
+        False where the stream cannot (a Generate call of its own is read only by its reader)."""
+        return False
+
     async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         try:
             if self.first is not None:
@@ -97,6 +106,8 @@ class MuxStream(GenerateStream):
         self._bytes = 0
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False  # an end (of any kind) was received or decided here
+        # set_direct's deliver: takes a response (True) or declines it (False: it is queued)
+        self._direct: Callable[[tokenizer_pb2.GenerateResponse], bool] | None = None
         loop = asyncio.get_running_loop()
         self._timer = loop.call_at(loop.time() + max(deadline - time.monotonic(), 0.0), self._expire)
 
@@ -108,6 +119,8 @@ class MuxStream(GenerateStream):
             code = _CODES.get(item.end.code, grpc.StatusCode.UNKNOWN)
             self._finish(None if code == grpc.StatusCode.OK else status_error(code, item.end.message, self.address))
             return
+        if self._direct is not None and not self._items and self._direct(item.response):
+            return  # nothing queued before it: order holds
         size = item.response.ByteSize()
         self._items.append((item.response, size))
         self._bytes += size
@@ -126,6 +139,13 @@ class MuxStream(GenerateStream):
             self._finish(error)
 
     # ---- the consumer's side --------------------------------------------------------------
+    def set_direct(self, deliver: Callable[[tokenizer_pb2.GenerateResponse], bool] | None) -> bool:
+        """See GenerateStream.set_direct: `deliver` runs in the call's reader, for a response
+        with nothing queued before it; what it declines, and every end, is queued as before.
+        The backlog bound counts queued responses only (a delivered one is the deliverer's)."""
+        self._direct = deliver if not self._ended else None
+        return True
+
     async def take_first(self) -> None:
         """Wait for the first item: sets `first`, or raises the error the stream ended with."""
         self.first = await self.next_response()  # None: it ended without a response
@@ -165,6 +185,7 @@ class MuxStream(GenerateStream):
 
     def _finish(self, error: ServiceError | None) -> None:
         self._ended = True
+        self._direct = None
         self._timer.cancel()
         self._call.forget(self.stream_id)
         self._items.append(error)

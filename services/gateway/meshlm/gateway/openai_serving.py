@@ -54,6 +54,7 @@ from meshlm.gateway.openai_protocol import (
 from meshlm.gateway.openai_requests import build_sampling, chat_prompt, echo_texts, prompts_of
 from meshlm.gateway.openai_streams import choice_events, disconnected, json_response, open_sse_stream, run_generate
 from meshlm.gateway.outputs import Output, sse, sse_response
+from meshlm.gateway.sse_direct import DirectSend
 from meshlm.gateway.state import GatewayState, get_state
 from meshlm.v1 import tokenizer_pb2
 
@@ -167,7 +168,8 @@ async def _stream_completion(
                 ).model_dump(mode="json")
             )
 
-    return sse_response(choice_events(stream, on_response, on_done), on_close=stream.cancel)
+    direct = DirectSend()
+    return sse_response(choice_events(stream, on_response, on_done, direct), stream.cancel, direct)
 
 
 # ---------------------------------------------------------------------------- chat
@@ -278,7 +280,8 @@ async def _stream_chat(
         if include_usage:
             yield chunk(None, usage_of(outputs, body.n))
 
-    return sse_response(choice_events(stream, on_response, on_done), on_close=stream.cancel)
+    direct = DirectSend()
+    return sse_response(choice_events(stream, on_response, on_done, direct), stream.cancel, direct)
 
 
 def _plain_content(delta: DeltaMessage) -> bool:

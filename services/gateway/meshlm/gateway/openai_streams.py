@@ -3,6 +3,7 @@ body is the choices' events (always cancelled, always ending with [DONE])."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -10,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from meshlm.common.errors import ServiceError
+from meshlm.gateway.errors import APIError
 from meshlm.gateway.grpc_client import ClientDisconnected, GenerateStream, cancel_on_disconnect
 from meshlm.gateway.outputs import (
     SSE_DONE,
@@ -18,8 +20,11 @@ from meshlm.gateway.outputs import (
     first_abort,
     sse_error,
 )
+from meshlm.gateway.sse_direct import DirectSend
 from meshlm.gateway.state import GatewayState
 from meshlm.v1 import tokenizer_pb2
+
+logger = logging.getLogger(__name__)
 
 
 async def collect(st: GatewayState, greq: tokenizer_pb2.GenerateRequest) -> dict[int, Output]:
@@ -69,27 +74,74 @@ ChoiceEvents = Callable[[Output, tokenizer_pb2.GenerateResponse, bool], Iterable
 
 
 async def choice_events(
-    stream: GenerateStream, on_response: ChoiceEvents, on_done: Callable[[dict[int, Output]], Iterable[str]]
+    stream: GenerateStream,
+    on_response: ChoiceEvents,
+    on_done: Callable[[dict[int, Output]], Iterable[str]],
+    direct: DirectSend | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body of both OpenAI streams. Each response updates its choice's Output (index ->
     Output) and yields on_response(out, response, first-of-its-choice); an abort ends the stream
     with an error event, a completed stream with on_done(outputs). A service error becomes an
-    error event; the stream is always cancelled and the body always ends with [DONE]."""
+    error event; the stream is always cancelled and the body always ends with [DONE].
+
+    With `direct` (bound by the response) and a stream that can deliver directly, a running
+    choice's responses are handled where they arrive and their events written through `direct`
+    (sse_direct): this task wakes only for a choice's last response, the end, or a send that had
+    to wait, whose held events it sends first. Both paths run the same handling, in order."""
     outputs: dict[int, Output] = {}
+
+    def handle(response: tokenizer_pb2.GenerateResponse) -> Iterable[str]:
+        first = response.index not in outputs
+        out = outputs.get(response.index) or outputs.setdefault(response.index, Output(response.index))
+        out.add(response)
+        if out.abort is not None:
+            raise abort_error(out.abort)
+        return on_response(out, response, first)
+
+    failed: list[BaseException] = []  # what direct handling raised (the stream was cancelled)
+
+    def deliver(response: tokenizer_pb2.GenerateResponse) -> bool:
+        assert direct is not None
+        if response.finished or not direct.ready:
+            return False  # a last response (finish reason, abort, usage) goes through this task
+        try:
+            for event in handle(response):
+                direct.write(event)
+        except Exception as e:  # in the call's reader: end this stream, not the call
+            logger.exception("SSE stream %s: handling a response failed", response.meta_info.id)
+            failed.append(e)
+            stream.cancel()
+        return True
+
     try:
-        async for response in stream:
-            first = response.index not in outputs
-            out = outputs.setdefault(response.index, Output(response.index))
-            out.add(response)
-            if out.abort is not None:
-                err = abort_error(out.abort)
-                yield sse_error(err.status, err.message)
+        response = stream.first
+        stream.first = None
+        while True:
+            if response is not None:
+                for event in handle(response):
+                    yield event
+            error: ServiceError | None = None
+            if direct is not None and direct.ready:
+                stream.set_direct(deliver)
+            try:
+                response = await stream.next_response()
+            except ServiceError as e:
+                error = e
+            finally:
+                stream.set_direct(None)
+            if direct is not None:  # what direct delivery left goes first
+                for event in await direct.resume():
+                    yield event
+            if failed:
+                raise APIError(500, f"the gateway failed to stream this response: {failed[0]!r}")
+            if error is not None:
+                raise error
+            if response is None:
                 break
-            for event in on_response(out, response, first):
-                yield event
-        else:
-            for event in on_done(outputs):
-                yield event
+        for event in on_done(outputs):
+            yield event
+    except APIError as e:
+        yield sse_error(e.status, e.message)
     except ServiceError as e:
         yield sse_error(e.http_status, e.message)
     finally:

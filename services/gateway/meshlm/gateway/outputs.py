@@ -10,7 +10,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from meshlm.common.deadline import WaitBound
 from meshlm.common.finish import FinishKind, FinishReason
 from meshlm.gateway.errors import APIError, error_body
+from meshlm.gateway.sse_direct import DirectSend
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
 logger = logging.getLogger(__name__)
@@ -153,8 +154,12 @@ class StallWatch:
         self._bound = WaitBound(stall_s)
 
     async def __call__(self, message: Any) -> None:
+        await self.wait(self._send(message))
+
+    async def wait(self, send: Awaitable[None]) -> None:
+        """Await a send (made here or started elsewhere) under the stall bound."""
         try:
-            await self._bound.wait(self._send(message))
+            await self._bound.wait(send)
         except asyncio.TimeoutError:
             raise StreamStalled(f"the client accepted nothing for stream_stall_timeout_s={self.stall_s:g}s") from None
 
@@ -171,19 +176,31 @@ class SSEResponse(StreamingResponse):
     send while its 64 KiB write buffer is full, and the gRPC call is read no faster than that). A
     send that waits longer than the gateway's stream_stall_timeout_s (the client does not read) ends
     the stream: the call is cancelled (the tokenizer aborts the request and its KV is freed), the
-    stall is logged and counted (meshlm:stalled_streams_total) and uvicorn closes the connection."""
+    stall is logged and counted (meshlm:stalled_streams_total) and uvicorn closes the connection.
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
+    With `direct`, the body iterator may also have events sent from outside its task
+    (sse_direct.DirectSend): it is bound here to this response's send once the response runs,
+    and closed with it."""
+
+    def __init__(
+        self,
+        body: AsyncIterator[str],
+        on_close: Callable[[], None] | None = None,
+        direct: DirectSend | None = None,
+    ) -> None:
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self.on_close = on_close
+        self.direct = direct
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         app_state = getattr(scope.get("app"), "state", None)
         gateway = getattr(app_state, "gateway", None)
         stall_s: float | None = gateway.config.stream_stall_timeout_s if gateway is not None else None
         watch = StallWatch(send, stall_s) if stall_s is not None else None
+        if self.direct is not None:
+            self.direct.bind(send, watch.wait if watch is not None else None)
 
         try:
             await super().__call__(scope, receive, watch if watch is not None else send)
@@ -196,11 +213,15 @@ class SSEResponse(StreamingResponse):
             if metrics is not None:
                 metrics.stalled_streams.inc()
         finally:
+            if self.direct is not None:
+                self.direct.close()
             if watch is not None:
                 watch.close()
             if self.on_close is not None:
                 self.on_close()
 
 
-def sse_response(body: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> SSEResponse:
-    return SSEResponse(body, on_close)
+def sse_response(
+    body: AsyncIterator[str], on_close: Callable[[], None] | None = None, direct: DirectSend | None = None
+) -> SSEResponse:
+    return SSEResponse(body, on_close, direct)

@@ -19,6 +19,7 @@ import grpc
 
 from meshlm.common import protocol
 from meshlm.common.errors import ServiceError
+from meshlm.common.gc_heap import freeze_startup_heap
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.telemetry import setup_telemetry, shutdown_telemetry
 from meshlm.detokenizer.config import DetokenizerConfig
@@ -160,6 +161,7 @@ async def serve(config: DetokenizerConfig) -> None:
     metrics = DetokenizerMetrics()
     metrics.serve(config.metrics_port)
     running = await start_detokenizer(config, metrics=metrics)
+    freeze_startup_heap()
     logger.info(
         "detokenizer serving on %s:%d (tokenizer %s)",
         config.host,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshlm.common import event_loop
 from meshlm.common.cpus import batch_scheduling, serial_tokenizers
+from meshlm.common.gc_heap import freeze_startup_heap
 from meshlm.common.grpc_env import prefer_classic_endpoints
 from meshlm.common.launcher_watch import exit_with_launcher
 
@@ -79,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_telemetry("meshlm-gateway", config.otlp_endpoint)
     logger.info("gateway on %s:%d -> tokenizers %s", config.host, config.port, ",".join(config.tokenizer_addrs))
     server = uvicorn.Server(uvicorn_config(create_app(config), config))
+    freeze_startup_heap()
     # uvicorn drains on SIGTERM/SIGINT, restores the previous handlers and re-raises the signal; with
     # these the re-raise is a no-op, so a drained gateway exits 0 like the gRPC services.
     if threading.current_thread() is threading.main_thread():

@@ -22,6 +22,7 @@ from typing import TypeVar
 import grpc
 
 from meshlm.common.errors import ServiceError
+from meshlm.common.gc_heap import freeze_startup_heap
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.log import setup_logging
 from meshlm.common.metrics import Metrics
@@ -219,6 +220,7 @@ async def serve(config: TokenizerConfig) -> int:
     running = await start_server(config, metrics=metrics)
     server, manager = running.server, running.manager
     metrics.serve(config.metrics_port)
+    freeze_startup_heap()
     logger.info(
         "tokenizer %s serving on port %d (schedulers %s, detokenizers %s)",
         config.tokenizer_id,

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from meshlm.common import event_loop, telemetry
 from meshlm.common.cpus import batch_scheduling
+from meshlm.common.gc_heap import freeze_startup_heap
 from meshlm.common.grpc_server import GrpcServer
 from meshlm.common.log import setup_logging
 from meshlm.common.metrics import Metrics
@@ -271,6 +272,7 @@ def serve(svc: SchedulerServiceConfig, engine: SchedulerConfig) -> int:
         except BaseException:
             await server.close()
             raise
+        freeze_startup_heap()  # after the model load: its Python objects too
         return await server.serve_until_signal()
 
     try:

@@ -3,7 +3,8 @@ MuxStream): a running choice's events are sent from the code that feeds the stre
 response's task; the body is byte for byte what the task-driven path sends, in order, whatever
 the client does: it reads at once, its socket fills (a send waits: later events are held and
 sent after it, under the stall bound), it stops reading (a stall), or the handling of one
-response raises (that stream ends with an error event; the feeder is untouched)."""
+response raises (that stream ends with an error event; the feeder is untouched). One test runs
+real uvicorn over a socket with a small send buffer, where uvicorn's own send waits."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from meshlm.common import event_loop
 from meshlm.gateway.app import GatewayMetrics
 from meshlm.gateway.config import GatewayConfig
 from meshlm.gateway.generate_mux import MuxStream
@@ -288,3 +290,90 @@ def test_a_mux_stream_delivers_directly_only_what_has_nothing_queued_before_it()
         assert taken == [" w2"]
 
     asyncio.run(run())
+
+
+def test_over_a_real_uvicorn_socket_that_fills_the_stream_arrives_whole_and_in_order(monkeypatch) -> None:
+    """uvicorn (httptools, on uvloop) on a socket whose send buffer is fixed small, a client that reads
+    nothing for a while: uvicorn's send waits on its flow control mid-stream (the trampoline
+    finishes it), later events are held and sent after it, and the body is exact."""
+    import socket
+
+    import uvicorn
+
+    from meshlm.gateway import sse_direct
+
+    finished: list[int] = []
+    real_finish = sse_direct._finish
+
+    async def counting_finish(coro, waiting):
+        await real_finish(coro, waiting)
+        finished.append(1)
+
+    monkeypatch.setattr(sse_direct, "_finish", counting_finish)
+    count, pad = 120, "x" * 2000  # ~240 KB: past a 4 KiB socket buffer and uvicorn's 64 KiB
+
+    def big(k: int) -> tokenizer_pb2.GenerateResponse:
+        r = response(k, count)
+        r.text = f" w{k}{pad}"
+        return r
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        stream = MuxStream(FakeCall(), 1, time.monotonic() + 60)  # type: ignore[arg-type]
+        stream.feed(item(big(0)))
+        await stream.take_first()
+        direct = DirectSend()
+        body = choice_events(stream, on_response_of(CompletionChunks("r", 1, "m")), on_done, direct)
+
+        async def feed() -> None:
+            for k in range(1, count):
+                await asyncio.sleep(0.001)
+                stream.feed(item(big(k)))
+            stream.feed(end_item())
+
+        feeder = asyncio.ensure_future(feed())
+        await sse_response(body, stream.cancel, direct)(scope, receive, send)
+        await feeder
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted sockets inherit it
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def client() -> bytes:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(0.5)  # the server's buffers fill meanwhile
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # then read at speed
+            sock.settimeout(30)
+            parts: list[bytes] = []
+            while chunk := sock.recv(1 << 16):
+                parts.append(chunk)
+                if b"data: [DONE]" in b"".join(parts[-2:]):
+                    break
+            return b"".join(parts)
+
+    async def run() -> bytes:
+        config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning")
+        server = uvicorn.Server(config)
+        serving = asyncio.ensure_future(server.serve(sockets=[listener]))
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            return await asyncio.wait_for(asyncio.to_thread(client), 60)
+        finally:
+            server.should_exit = True
+            await serving
+
+    data = event_loop.run(run())  # the loop the gateway runs (uvloop where installed)
+    assert data.startswith(b"HTTP/1.1 200")
+    events = [line + "\n\n" for line in data.decode().split("\r\n") if line.startswith("data: ")]
+    chunks = CompletionChunks("r", 1, "m")
+    expected = []
+    for k in range(count):
+        reason = "length" if k == count - 1 else None
+        expected += [chunks.event(0, f" w{k}{pad}", None, None), chunks.event(0, "", reason, None)]
+    expected += [f"data: done {count}\n\n", "data: [DONE]\n\n"]
+    assert [e.strip() for e in events] == [e.strip() for e in expected]
+    assert finished, "no send ever waited: the test did not fill the socket"

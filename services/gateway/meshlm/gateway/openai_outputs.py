@@ -20,6 +20,11 @@ from meshlm.gateway.outputs import Output, input_logprob_values, json_compact
 from meshlm.v1 import common_pb2
 
 
+def _json_or_null(value: Any) -> str:
+    """json_compact(value), without the encoder's call for a field that is almost always None."""
+    return "null" if value is None else json_compact(value)
+
+
 def _chunk_head(obj: str, rid: str, created: int, model: str) -> str:
     """A stream chunk's SSE event up to its first choice's index (what every chunk of one stream
     shares): the fields in the pydantic models' order, JSON as outputs.sse writes it."""
@@ -42,7 +47,7 @@ class CompletionChunks:
     def event(self, index: int, text: str, finish_reason: str | None, matched_stop: int | str | None) -> str:
         return (
             f'{self._head}{int(index)},"text":{json_compact(text)},"logprobs":null,'
-            f'"finish_reason":{json_compact(finish_reason)},"matched_stop":{json_compact(matched_stop)}}}],'
+            f'"finish_reason":{_json_or_null(finish_reason)},"matched_stop":{_json_or_null(matched_stop)}}}],'
             '"usage":null}\n\n'
         )
 

@@ -7,7 +7,6 @@ one whole message per output when not streaming; `Output.add` handles both the s
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -117,7 +116,9 @@ def input_logprob_values(entries: list[common_pb2.TokenLogprob]) -> list[float |
 
 
 # The JSON of every SSE event (compact, UTF-8 as is); openai_outputs' chunk formatters share it.
-json_compact = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
+# One encoder for the process: json.dumps with any non-default argument builds a JSONEncoder per
+# call (~1.4-2.7 us, three times an output token in a chunk); its encode() is the same text.
+json_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def sse(obj: Any) -> str:

@@ -51,3 +51,14 @@ def test_chat_content_events_equal_the_pydantic_models(rid: str, model: str) -> 
             ChatCompletionChunk(id=rid, created=1733550000, model=model, choices=[choice]).model_dump(mode="json")
         )
         assert chunks.content_event(index, text) == want
+
+
+def test_sse_json_is_compact_utf8_as_json_dumps_gives_it() -> None:
+    """One shared encoder formats every event: the same text as json.dumps with the same options."""
+    import json
+
+    from meshlm.gateway.outputs import json_compact
+
+    for value in [None, 3, 2.5, "é 中文 🙂 \u2028", {"a": ["x", None, True], "b": {"c": -1.0}}, []]:
+        assert json_compact(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    assert json_compact({"k": ["é", None]}) == '{"k":["é",null]}'

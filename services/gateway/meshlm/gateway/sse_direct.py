@@ -72,8 +72,8 @@ class DirectSend:
         return self._send is not None and not self.blocked and not self.closed
 
     def bind(self, send: Send, bound: Bound | None) -> None:
-        """The response's ASGI send (after its start message was sent) and the stall bound its
-        own sends wait under."""
+        """The response's ASGI send and the stall bound its own sends wait under (bound before
+        the response starts; writes come only once its body has begun, after the start message)."""
         self._send, self._bound = send, bound
 
     def write(self, event: str) -> None:

@@ -52,9 +52,14 @@ from meshlm.gateway.openai_protocol import (
     now,
 )
 from meshlm.gateway.openai_requests import build_sampling, chat_prompt, echo_texts, prompts_of
-from meshlm.gateway.openai_streams import choice_events, disconnected, json_response, open_sse_stream, run_generate
-from meshlm.gateway.outputs import Output, sse, sse_response
-from meshlm.gateway.sse_direct import DirectSend
+from meshlm.gateway.openai_streams import (
+    choices_sse_response,
+    disconnected,
+    json_response,
+    open_sse_stream,
+    run_generate,
+)
+from meshlm.gateway.outputs import Output, sse
 from meshlm.gateway.state import GatewayState, get_state
 from meshlm.v1 import tokenizer_pb2
 
@@ -168,8 +173,7 @@ async def _stream_completion(
                 ).model_dump(mode="json")
             )
 
-    direct = DirectSend()
-    return sse_response(choice_events(stream, on_response, on_done, direct), stream.cancel, direct)
+    return choices_sse_response(stream, on_response, on_done)
 
 
 # ---------------------------------------------------------------------------- chat
@@ -280,8 +284,7 @@ async def _stream_chat(
         if include_usage:
             yield chunk(None, usage_of(outputs, body.n))
 
-    direct = DirectSend()
-    return sse_response(choice_events(stream, on_response, on_done, direct), stream.cancel, direct)
+    return choices_sse_response(stream, on_response, on_done)
 
 
 def _plain_content(delta: DeltaMessage) -> bool:

@@ -16,9 +16,11 @@ from meshlm.gateway.grpc_client import ClientDisconnected, GenerateStream, cance
 from meshlm.gateway.outputs import (
     SSE_DONE,
     Output,
+    SSEResponse,
     abort_error,
     first_abort,
     sse_error,
+    sse_response,
 )
 from meshlm.gateway.sse_direct import DirectSend
 from meshlm.gateway.state import GatewayState
@@ -147,6 +149,15 @@ async def choice_events(
     finally:
         stream.cancel()
     yield SSE_DONE
+
+
+def choices_sse_response(
+    stream: GenerateStream, on_response: ChoiceEvents, on_done: Callable[[dict[int, Output]], Iterable[str]]
+) -> SSEResponse:
+    """The SSE response of an OpenAI stream: choice_events over `stream` with direct delivery
+    (the DirectSend the response binds to its send), cancelling the stream however it ends."""
+    direct = DirectSend()
+    return sse_response(choice_events(stream, on_response, on_done, direct), stream.cancel, direct)
 
 
 def json_response(model: Any) -> JSONResponse:

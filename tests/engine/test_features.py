@@ -280,6 +280,28 @@ def test_stream_deltas_concatenate_without_partial_characters(engine: Engine) ->
     assert any(ord(c) > 0x2000 for c in whole["text"])
 
 
+def test_stream_text_decodes_each_step_in_a_window(engine: Engine, monkeypatch) -> None:
+    """A stream's text costs O(new tokens) a step: the ids decoded per delta stay within the
+    surround window, where decoding the whole output every step decodes ~n^2 / 2 ids in all;
+    the text still equals the whole output's decode."""
+    decoded: list[int] = []
+    inner = engine._text_decoder.batch_decode
+
+    def counting(sequences, skip, spaces):
+        decoded.append(sum(len(s) for s in sequences))
+        return inner(sequences, skip, spaces)
+
+    monkeypatch.setattr(engine._text_decoder, "batch_decode", counting)
+    n = 96
+    sp = greedy(n, ignore_eos=True)
+    deltas = asyncio.run(collect(engine.generate_stream(input_ids=chat(engine, STORY), sampling_params=sp)))
+    ids = sum((d["output_ids"] for d in deltas), [])
+    assert len(ids) == n and len(decoded) == len(deltas)
+    assert max(decoded) <= 32, decoded  # two windows of a few ids each, never the whole output
+    assert sum(decoded) < n * 16 < n * n // 2
+    assert "".join(d["text"] for d in deltas) == engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def _wait_idle(engine: Engine, seconds: float = 2.0) -> None:
     deadline = time.monotonic() + seconds
     while True:

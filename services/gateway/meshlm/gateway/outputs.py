@@ -50,12 +50,16 @@ def first_abort(response: tokenizer_pb2.GenerateResponse | None) -> FinishReason
 
 
 class Output:
-    """Everything received so far for one output index."""
+    """Everything received so far for one output index.
+
+    The text is kept as the deltas received (joined when `text` is read, then kept joined):
+    appending to one string a delta at a time copies the whole text every time, quadratic in
+    the output's length (~84 ms of copying for a 32k-token stream)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.id = ""
-        self.text = ""
+        self._text_parts: list[str] = []
         self.output_ids: list[int] = []
         self.finished = False
         self.finish: FinishReason | None = None
@@ -70,7 +74,8 @@ class Output:
     def add(self, response: tokenizer_pb2.GenerateResponse) -> None:
         meta = response.meta_info
         self.messages += 1
-        self.text += response.text
+        if response.text:
+            self._text_parts.append(response.text)
         self.output_ids.extend(response.output_ids)
         self.id = meta.id or self.id
         self.prompt_tokens = meta.prompt_tokens or self.prompt_tokens
@@ -84,6 +89,13 @@ class Output:
         if response.finished:
             self.finished = True
             self.finish = response_finish(response)
+
+    @property
+    def text(self) -> str:
+        """The text of every delta so far, in order."""
+        if len(self._text_parts) > 1:
+            self._text_parts[:] = ["".join(self._text_parts)]
+        return self._text_parts[0] if self._text_parts else ""
 
     @property
     def abort(self) -> FinishReason | None:

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import random
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -283,6 +284,26 @@ def run_engine(config: Any, work: list[dict[str, Any]], c: int) -> Row:
         return summarize(event_loop.run(go()), "bench_online (in-process engine)")
 
 
+def run_engine_process(flags: list[str], model_path: str, work: list[dict[str, Any]], c: int) -> Row:
+    """run_engine in a fresh process (this file, --engine-worker): each engine turn starts from a
+    clean interpreter, not in the process that has driven the other systems' runs and the engines
+    of earlier rounds (their heap, their threads). The engine's config: engine_config(flags)."""
+    job = json.dumps({"flags": flags, "model_path": model_path, "work": work, "c": c})
+    argv = [sys.executable, __file__, "--engine-worker"]
+    done = subprocess.run(argv, input=job, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the engine worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    row: Row = json.loads(done.stdout.strip().splitlines()[-1])
+    return row
+
+
+def _engine_worker() -> None:
+    """The child of run_engine_process: the job as JSON on stdin, the Row as the last stdout line."""
+    job = json.loads(sys.stdin.read())
+    row = run_engine(engine_config(job["flags"], model_path=job["model_path"]), job["work"], job["c"])
+    print(json.dumps(row), flush=True)
+
+
 def check(m: Row, n: int, wl: Workload) -> list[str]:
     issues = [] if m["completed"] == n else [f"completed {m['completed']} of {n} requests"]
     if wl.name != "mixed" and m["total_output_tokens"] != n * wl.output_len:
@@ -290,3 +311,7 @@ def check(m: Row, n: int, wl: Workload) -> list[str]:
     if m.get("realigned"):
         issues.append("the client re-aligned the prompts to the server's tokenizer")
     return issues
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--engine-worker"]:
+    _engine_worker()

@@ -34,8 +34,8 @@ Each run records their CPU (cores busy over the run) and the report flags a run 
 `meshlm[LABEL]`, with FLAGS after --meshlm-args: an A/B of meshlm flags against vLLM in one
 sitting, each variant's ratios to vLLM reported beside the default's. The ring / engine pair
 also runs N rounds, alternating which goes first, on new prompts every round (the ring server
-stays up, paused, while the engine runs in this process), and the report gives each round's ratio
-and their median. The engine is new every round; the ring's prefix cache is flushed before each
+stays up, paused, while the engine runs in a fresh process of its own), and the report gives each
+round's ratio and their median. The engine is new every round; the ring's prefix cache is flushed before each
 of its turns, so that both start from an empty cache (the ring's would otherwise be full from the
 levels before, and evicting).
 """
@@ -59,7 +59,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_clients import WORKLOADS, Row, Workload, check, engine_config, online_bench, run_engine, vllm_bench
+from bench_clients import WORKLOADS, Row, Workload, check, engine_config, online_bench, run_engine_process, vllm_bench
 from bench_online import make_workload  # noqa: E402
 from bench_servers import (
     HOST,
@@ -289,7 +289,8 @@ def main() -> None:
     args.model_path = str(resolve_model_path(args.model_path))
     meshlm_extra = shlex.split(args.meshlm_args)
     # the engine gets the ring's flags: --dtype, then --meshlm-args (last wins)
-    cfg = engine_config(["--dtype", args.dtype, *meshlm_extra], model_path=args.model_path)
+    engine_flags = ["--dtype", args.dtype, *meshlm_extra]
+    cfg = engine_config(engine_flags, model_path=args.model_path)
     vllm_dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cpu_has_native_bf16() else "float32")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     (work / "results").mkdir(parents=True, exist_ok=True)
@@ -393,7 +394,7 @@ def main() -> None:
         print(f"[engine] in-process engine, random c={top}, round {turn['round']}, bench_online's client", flush=True)
         cpu0, t0 = (tree_cpu_s(idle.proc.pid) if idle else 0.0), time.monotonic()
         with paused([idle.proc] if idle is not None and not args.no_pause else []):
-            turn["engine"] = run_engine(cfg, ring_work(turn["round"]), top)
+            turn["engine"] = run_engine_process(engine_flags, args.model_path, ring_work(turn["round"]), top)
         if idle is not None:
             turn["ring_idle_cpu_cores"] = (tree_cpu_s(idle.proc.pid) - cpu0) / (time.monotonic() - t0)
         save()

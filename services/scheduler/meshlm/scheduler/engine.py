@@ -19,7 +19,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from meshlm.common.finish import FinishReason
@@ -90,15 +90,16 @@ class _TokenizerText:
 
 @dataclass
 class _ReqState:
-    """One request's caller side. `text`: its decode state (one request, created at its first
-    delta); `sent_chars`: characters yielded so far (a final delta that trims a stop string
-    already partly yielded cannot take them back, as a streamed SSE event cannot)."""
+    """One request's caller side. `detokenizer`: its decode state (one request, created at its
+    first delta); `num_output_ids`: output ids received so far (the next delta's token offset);
+    `sent_chars`: characters yielded so far (a final delta that trims a stop string already
+    partly yielded cannot take them back, as a streamed SSE event cannot)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[ReqEvent]
     sampling_params: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    text: incremental.IncrementalDetokenizer | None = None
+    detokenizer: incremental.IncrementalDetokenizer | None = None
+    num_output_ids: int = 0
     sent_chars: int = 0
 
 
@@ -279,7 +280,7 @@ class Engine:
             raise RequestError.of_abort(reason)
         new_ids = delta.output_ids
         text = self._text_of(rid, st, delta)
-        st.output_ids.extend(new_ids)
+        st.num_output_ids += len(new_ids)
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": reason.to_json() if reason is not None else None,
@@ -298,23 +299,23 @@ class Engine:
         return {"text": text, "output_ids": list(new_ids), "meta_info": meta, "finished": reason is not None}
 
     def _text_of(self, rid: str, st: _ReqState, delta: TokenDelta) -> str:
-        """The new text of a delta (st.output_ids: the ids before it)."""
+        """The new text of a delta (st.num_output_ids: the ids before it)."""
         reason, sp = delta.finish_reason, st.sampling_params
         seed = None
-        if st.text is None:  # the first delta: its prompt tail opens the surround window
-            st.text = incremental.IncrementalDetokenizer(self._text_decoder, max_states=1)
+        if st.detokenizer is None:  # the first delta: its prompt tail opens the surround window
+            st.detokenizer = incremental.IncrementalDetokenizer(self._text_decoder, max_states=1)
             seed = incremental.Seed(
                 prompt_tail_ids=tuple(delta.prompt_tail_ids),
                 skip_special_tokens=sp.skip_special_tokens,
                 spaces_between_special_tokens=sp.spaces_between_special_tokens,
                 no_stop_trim=sp.no_stop_trim,
             )
-        (out,) = st.text.step(
+        (out,) = st.detokenizer.step(
             [
                 incremental.TokenDelta(
                     rid=rid,
                     ids=delta.output_ids,
-                    token_offset=len(st.output_ids),
+                    token_offset=st.num_output_ids,
                     seed=seed,
                     finished=reason is not None,
                     matched_token=reason.matched_token if reason is not None else None,

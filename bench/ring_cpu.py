@@ -7,6 +7,7 @@
     python bench/ring_cpu.py --perf /tmp/perf                  # also the scheduler's native samples (perf)
     python bench/ring_cpu.py --engine --perf /tmp/perf --rounds 4   # ring vs the in-process engine, alternating
     python bench/ring_cpu.py --baseline-rev HEAD               # A/B: the services of a git revision
+    python bench/ring_cpu.py --engine --scheduler-threads 1    # the relays on a core of their own
 
 Starts `meshlm launch` (plus --meshlm-args), drives it with bench_online.py's streaming client
 (tokens counted from usage) and reads each process's CPU seconds (utime + stime from /proc)
@@ -25,6 +26,12 @@ tok/s and the scheduler's CPU per token and preemptions against the engine proce
 shared-core model predicts (each relay or client microsecond costs the scheduler two: see
 shared_core_model); with --perf too, both by shared object (the kernels, libgomp's OpenMP waits,
 the kernel), so the scheduler's extra CPU in the ring is named.
+
+With --scheduler-threads N the scheduler (and the engine process) runs N OpenMP threads
+(OMP_NUM_THREADS, which the scheduler's CPU budget honours) instead of one per core. On a 2-core
+machine N = 1 leaves the other core to the relays and the client: the layout of a cluster, where
+each service runs in its own pod on its own CPUs, and there ring / engine says what the ring costs
+the scheduler when it does not share its cores.
 
 With --baseline-rev the services' Python code (services/) of that revision runs in a worktree
 under the work folder against the same kernels cache, alternating with this tree's, `--rounds`
@@ -282,7 +289,9 @@ def compare(ring: dict[str, Any], engine: dict[str, Any]) -> tuple[float, float 
     pre_r = 1e3 * ring["switches"]["scheduler"][1] / ring["tokens"]
     pre_e = 1e3 * engine["switches"]["engine"][1] / engine["tokens"]
     print(f"preemptions / 1k tokens: scheduler in the ring {pre_r:.0f}, engine process {pre_e:.0f}")
-    shared_core_model(ring, eng, ratio)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if not (threads.isdigit() and int(threads) < len(os.sched_getaffinity(0))):  # else the relays have cores
+        shared_core_model(ring, eng, ratio)
     if not (ring["native"] and engine["native"]):
         return ratio, None
     print(f"{'shared object':31s} {'ring':>8s} {'engine':>8s} {'delta':>8s}  (us/token)")
@@ -345,8 +354,18 @@ def main() -> None:
         action="store_true",
         help="also run the in-process engine (same workload) and compare (not with --baseline-rev)",
     )
+    ap.add_argument(
+        "--scheduler-threads",
+        type=int,
+        default=None,
+        help="OpenMP threads of the scheduler and the engine process (default: one per core)",
+    )
     ap.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.scheduler_threads is not None:  # inherited by the ring's scheduler and the engine worker
+        if args.scheduler_threads < 1:
+            ap.error("--scheduler-threads must be at least 1")
+        os.environ["OMP_NUM_THREADS"] = str(args.scheduler_threads)
     if args.perf:
         args.perf.mkdir(parents=True, exist_ok=True)
     if args.engine_worker:

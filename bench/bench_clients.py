@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from meshlm.common import event_loop
@@ -178,20 +178,105 @@ def summarize(res: Result, client: str) -> Row:
     }
 
 
+class _CompletionCounter(asyncio.Protocol):
+    """One streaming /v1/completions request on its own HTTP/1.1 connection, counted as its bytes
+    arrive: each SSE event's arrival time and token count, kept in `events` (no task is woken
+    per event). `done` resolves when the response has ended (the closing chunk, or the server
+    closing the connection), or fails on a status other than 200 or a malformed body."""
+
+    def __init__(self, request: bytes, url: str, done: asyncio.Future[None]) -> None:
+        self.request, self.url, self.done = request, url, done
+        self.head = b""  # the status line and headers until their blank line
+        self.chunked: bool | None = None  # None until the headers are in
+        self.raw = b""  # body bytes not yet unframed (chunked transfer encoding)
+        self.buf = b""  # unframed body bytes not yet a whole event
+        self.events: list[tuple[int, float]] = []
+        self.seen = 0  # tokens counted so far
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cast(asyncio.Transport, transport).write(self.request)  # uvloop's transports do not subclass it
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        try:
+            if self.chunked is None:
+                self.head += data
+                end = self.head.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head, data = self.head[:end], self.head[end + 4 :]
+                lines = head.split(b"\r\n")
+                if lines[0].split(b" ")[1:2] != [b"200"]:
+                    raise RuntimeError(f"{self.url}/v1/completions answered {lines[0]!r}")
+                self.chunked = any(
+                    ln.lower().startswith(b"transfer-encoding:") and b"chunked" in ln.lower() for ln in lines[1:]
+                )
+            if self.chunked:
+                self.raw += data
+                while (eol := self.raw.find(b"\r\n")) >= 0:  # chunk: size line, data, CRLF; size 0 ends it
+                    size = int(self.raw[:eol].split(b";")[0], 16)
+                    if len(self.raw) < eol + 2 + size + 2:
+                        break
+                    self.buf += self.raw[eol + 2 : eol + 2 + size]
+                    self.raw = self.raw[eol + 2 + size + 2 :]
+                    if size == 0:
+                        self._count(now)
+                        return self._finish(None)
+            else:
+                self.buf += data
+            self._count(now)
+        except Exception as e:  # noqa: BLE001 (handed to the request's awaiter)
+            self._finish(e)
+
+    def _count(self, now: float) -> None:
+        """Counts the whole events in buf: a text chunk is one token; the usage event adds the
+        tokens that came without text (completion_tokens past those counted)."""
+        while (end := self.buf.find(b"\n\n")) >= 0:  # one SSE event per blank-line-ended block
+            event, self.buf = self.buf[:end], self.buf[end + 2 :]
+            if not event.startswith(b"data:") or event.startswith(b"data: [DONE]"):
+                continue
+            if b'"usage":' not in event or b'"usage":null' in event or b'"usage": null' in event:
+                self.seen += 1  # a text chunk (usage is null or absent)
+                self.events.append((1, now))
+                continue
+            chunk = json.loads(event[5:])
+            if chunk.get("choices"):
+                self.seen += 1
+                self.events.append((1, now))
+            elif rest := (chunk.get("usage") or {}).get("completion_tokens", self.seen) - self.seen:
+                self.seen += rest
+                self.events.append((rest, now))  # tokens that came without text, counted at the end
+
+    def _finish(self, error: Exception | None) -> None:
+        if self.done.done():
+            return
+        if error is not None:
+            self.done.set_exception(error)
+        else:
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None and self.chunked is None:
+            exc = ConnectionError(f"{self.url} closed the connection before answering")
+        self._finish(exc)
+
+
 def usage_stream(srv: Server, timeout_s: float = 600.0) -> StreamFn:
     """bench_online.py's streaming /v1/completions client, counting tokens from usage (its own
     parser counts text chunks, and a token whose text is still held back by the detokenizer
     comes without one).
 
-    Lean on purpose: a raw HTTP/1.1 request per connection over asyncio streams, each SSE event
-    counted by a byte search, and only the usage event parsed as JSON. On a 2-core machine the
-    client shares the cores with the server it measures, and httpx's line iterator with a
-    json.loads per event cost ~105 us of CPU an output token at c=64, this ~42 (`ring_cpu.py`),
-    which the ring / engine ratio charged to the ring (the in-process engine has no client)."""
+    Lean on purpose: on a 2-core machine the client shares the cores with the server it measures,
+    and the ring / engine ratio charges its CPU to the ring (the in-process engine has no HTTP
+    client). So each request is a raw HTTP/1.1 request on its own connection whose SSE events are
+    counted and timed in the socket's data callback (_CompletionCounter), and only the usage event
+    is parsed as JSON; the stream yields (tokens, arrival time) pairs once the response has ended.
+    httpx's line iterator with a json.loads per event cost ~105 us of CPU an output token at c=64,
+    asyncio streams with a task step per event 20-25, this 17-18 (`ring_cpu.py`)."""
     url = urlsplit(srv.url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
 
-    async def stream(item: dict[str, Any]) -> AsyncIterator[int]:
+    async def stream(item: dict[str, Any]) -> AsyncIterator[tuple[int, float]]:
         body = json.dumps(
             {
                 "model": srv.model,
@@ -203,46 +288,22 @@ def usage_stream(srv: Server, timeout_s: float = 600.0) -> StreamFn:
                 "stream_options": {"include_usage": True},
             }
         ).encode()
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(body)) + body
+        )
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
+            transport, proto = await loop.create_connection(
+                lambda: _CompletionCounter(request, srv.url, done), host, port
+            )
             try:
-                writer.write(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(body)) + body
-                )
-                status = await reader.readline()
-                if status.split(b" ")[1:2] != [b"200"]:
-                    raise RuntimeError(f"{srv.url}/v1/completions answered {status!r}")
-                chunked = False
-                while (line := await reader.readline()) not in (b"\r\n", b""):
-                    low = line.lower()
-                    chunked |= low.startswith(b"transfer-encoding:") and b"chunked" in low
-                buf, seen = b"", 0
-                while True:
-                    if chunked:  # chunk size line, data, CRLF; size 0 ends the body
-                        size = int((await reader.readline()).split(b";")[0], 16)
-                        if size == 0:
-                            break
-                        data = (await reader.readexactly(size + 2))[:-2]
-                    elif not (data := await reader.read(65536)):
-                        break
-                    buf += data
-                    while (end := buf.find(b"\n\n")) >= 0:  # one SSE event per blank-line-ended block
-                        event, buf = buf[:end], buf[end + 2 :]
-                        if not event.startswith(b"data:") or event.startswith(b"data: [DONE]"):
-                            continue
-                        if b'"usage":' not in event or b'"usage":null' in event or b'"usage": null' in event:
-                            seen += 1  # a text chunk (usage is null or absent)
-                            yield 1
-                            continue
-                        chunk = json.loads(event[5:])
-                        if chunk.get("choices"):
-                            seen += 1
-                            yield 1
-                        elif rest := (chunk.get("usage") or {}).get("completion_tokens", seen) - seen:
-                            yield rest  # tokens that came without text, counted at the end
+                await done
             finally:
-                writer.close()
+                transport.close()
+        for event in proto.events:
+            yield event
 
     return stream
 

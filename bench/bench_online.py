@@ -93,11 +93,14 @@ def make_workload(kind: str, n: int, seed: int, input_len: int, output_len: int)
     ]
 
 
-StreamFn = Callable[[dict[str, Any]], AsyncIterator[int]]
+# A stream yields the token count of each chunk as it arrives, or (count, perf_counter time) pairs
+# when it timed the chunks itself (bench_clients.usage_stream counts them in its socket callback).
+StreamFn = Callable[[dict[str, Any]], AsyncIterator[int | tuple[int, float]]]
 
 
 async def run_level(label: str, stream: StreamFn, work: list[dict[str, Any]], concurrency: int) -> Result:
-    """Run every request with at most `concurrency` in flight; each yields token counts per chunk."""
+    """Run every request with at most `concurrency` in flight; each yields token counts per chunk
+    (timed here on arrival, or with the time the stream gives)."""
     res = Result(label, concurrency)
     sem = asyncio.Semaphore(concurrency)
 
@@ -105,8 +108,8 @@ async def run_level(label: str, stream: StreamFn, work: list[dict[str, Any]], co
         async with sem:
             t0 = time.perf_counter()
             last, first, toks, gaps = t0, None, 0, []
-            async for n in stream(item):
-                now = time.perf_counter()
+            async for chunk in stream(item):
+                n, now = chunk if isinstance(chunk, tuple) else (chunk, time.perf_counter())
                 if first is None:
                     first = now - t0
                 else:

@@ -23,7 +23,7 @@ from meshlm.gateway.generate_mux import MuxStream
 from meshlm.gateway.openai_outputs import CompletionChunks
 from meshlm.gateway.openai_streams import choice_events
 from meshlm.gateway.outputs import Output, sse_response
-from meshlm.gateway.sse_direct import DirectSend
+from meshlm.gateway.sse_direct import SERVER_SEND, DirectSend
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
 
@@ -122,10 +122,13 @@ async def serve(
     stall_s: float = 5.0,
     during=None,
     fail_at: int | None = None,
+    server: Client | None = None,
 ) -> tuple[MuxStream, list[bool], GatewayMetrics, list[str]]:
     """Stream `count` responses through choice_events + SSEResponse; the feeder yields to the
-    loop between responses and `during(k, client)` runs before response k is fed. Returns the
-    stream, on_close's record, the metrics and the response task's wake-ups' log."""
+    loop between responses and `during(k, client)` runs before response k is fed. With `server`,
+    the scope carries it as the server's own send (SERVER_SEND) and `client` is a middleware's
+    send wrapper in front of it. Returns the stream, on_close's record, the metrics and the
+    response task's wake-ups' log."""
     metrics = GatewayMetrics()
     closed: list[bool] = []
     stream = MuxStream(FakeCall(), 1, time.monotonic() + 60)  # type: ignore[arg-type]
@@ -143,8 +146,11 @@ async def serve(
         return r
 
     stream.next_response = next_response  # type: ignore[method-assign]
+    scope = scope_of(stall_s, metrics)
+    if server is not None:
+        scope[SERVER_SEND] = server
     task = asyncio.ensure_future(
-        sse_response(body, lambda: closed.append(True), direct)(scope_of(stall_s, metrics), never_disconnects, client)
+        sse_response(body, lambda: closed.append(True), direct)(scope, never_disconnects, client)
     )
     for k in range(1, count):
         await asyncio.sleep(0.001)
@@ -175,6 +181,43 @@ def test_direct_delivery_sends_what_the_task_path_sends_without_waking_the_task(
         # the task path wakes for each of the 19 later responses and the end; the direct one
         # only for the last response (a finish reason) and the end
         assert len(wakes_t) == 20 and wakes_d == ["w0", "end"]
+
+    asyncio.run(run())
+
+
+class Wrapper(Client):
+    """A middleware's send wrapper: records what passes through it and hands it to the server."""
+
+    def __init__(self, server: Client) -> None:
+        super().__init__()
+        self.server = server
+        self.types: list[str] = []
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        self.types.append(message["type"])
+        await super().__call__(message)
+        await self.server(message)
+
+
+def test_direct_events_go_to_the_servers_send_past_the_middlewares() -> None:
+    async def during(k: int, client: Client) -> None:
+        if k == 5:
+            client.server.block()  # type: ignore[attr-defined]
+        if k == 9:
+            client.server.unblock()  # type: ignore[attr-defined]
+
+    async def run() -> None:
+        server = Client()
+        wrapper = Wrapper(server)
+        _, closed, _, wakes = await serve(20, True, wrapper, server=server, during=during)
+        assert server.text() == expected_body(20)  # every event, in order, with a send that waited
+        assert closed == [True]
+        # the start message and what the response's task sent (the first events, the events held
+        # behind the waiting send, the end) went through the wrapper; the direct events did not
+        assert wrapper.types[0] == "http.response.start"
+        passed = wrapper.text()
+        assert 0 < len(passed) < len(server.text()) and server.text().endswith(passed[-40:])
+        assert 2 < len(wakes) < 10, wakes
 
     asyncio.run(run())
 

@@ -9,6 +9,10 @@ Middleware (pure ASGI, so streaming and client-disconnect detection are untouche
     /metrics and CORS preflights are exempt; otherwise 401 in OpenAI's error shape;
   * body limit: a request body over --max-request-bytes is a 413 (body_limit.py).
 
+A direct SSE stream's body chunks skip these wrappers, which act on `http.response.start` alone:
+GatewayApp puts the server's own `send` in the scope (sse_direct.SERVER_SEND) before the first
+middleware runs.
+
 FastAPI's own OpenTelemetry instrumentation (FastAPI >= 0.165 turns it on whenever an SDK tracer
 provider is installed, as every meshlm service does) is switched off: the telemetry middleware
 above is the gateway's one HTTP span, so a trace holds no second, duplicate server span nor
@@ -39,6 +43,7 @@ from meshlm.gateway.config import GatewayConfig
 from meshlm.gateway.errors import error_response, install_error_handlers
 from meshlm.gateway.grpc_client import TokenizerPool
 from meshlm.gateway.openapi_doc import install_openapi
+from meshlm.gateway.sse_direct import SERVER_SEND
 from meshlm.gateway.state import GatewayState
 
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
@@ -143,6 +148,16 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
+class GatewayApp(FastAPI):
+    """FastAPI whose requests carry the server's own ASGI `send` in their scope (SERVER_SEND), for
+    the direct SSE path (sse_direct.DirectSend); the outermost middleware runs after this."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> FastAPI:
     """The gateway app. Nothing connects until the first request (or the lifespan's start-up, which
     begins re-resolving and health-checking the tokenizer replicas)."""
@@ -157,7 +172,7 @@ def create_app(config: GatewayConfig, pool: TokenizerPool | None = None) -> Fast
         finally:
             await state.pool.close()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="meshlm gateway",
         version=VERSION,
         description="OpenAI-compatible and SGLang-native HTTP API of meshlm (answers come from tokenizer replicas "

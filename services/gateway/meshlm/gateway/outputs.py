@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from meshlm.common.deadline import WaitBound
 from meshlm.common.finish import FinishKind, FinishReason
 from meshlm.gateway.errors import APIError, error_body
-from meshlm.gateway.sse_direct import DirectSend
+from meshlm.gateway.sse_direct import SERVER_SEND, DirectSend
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
 logger = logging.getLogger(__name__)
@@ -212,8 +212,8 @@ class SSEResponse(StreamingResponse):
         gateway = getattr(app_state, "gateway", None)
         stall_s: float | None = gateway.config.stream_stall_timeout_s if gateway is not None else None
         watch = StallWatch(send, stall_s) if stall_s is not None else None
-        if self.direct is not None:
-            self.direct.bind(send, watch.wait if watch is not None else None)
+        if self.direct is not None:  # its body chunks go to the server's send, past the middlewares
+            self.direct.bind(scope.get(SERVER_SEND, send), watch.wait if watch is not None else None)
 
         try:
             await super().__call__(scope, receive, watch if watch is not None else send)

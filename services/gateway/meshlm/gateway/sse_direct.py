@@ -15,6 +15,11 @@ Invariants (DirectSend):
   response's task, under the stall bound) waits for that send and hands back what was held, to
   be sent after it. Nothing is sent behind a pending send's back.
 - `close` cancels a send still in flight; `write` after it holds nothing and sends nothing.
+
+The send it is given is the server's own where the app put it in the scope (SERVER_SEND): a body
+chunk then skips the middlewares' send wrappers (six to eight coroutines an event), which act on
+`http.response.start` alone (status for metrics and spans, CORS headers, "response started"
+flags). The start message, and whatever the response's task sends, still pass through them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+SERVER_SEND = "meshlm.server_send"
+"""ASGI scope key: the server's own `send`, set by the app before any middleware sees the request
+(app.GatewayApp)."""
 Bound = Callable[[Awaitable[None]], Awaitable[None]]
 
 

@@ -46,6 +46,7 @@ import os
 import resource
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -384,10 +385,12 @@ def main() -> None:
             report(pair["ring"])
             ratios.append(compare(pair["ring"], pair["engine"]))
         if args.rounds > 1:
-            raw = sorted(a for a, _ in ratios)
-            adj = sorted(b for _, b in ratios if b is not None)
+            adj = [b for _, b in ratios if b is not None]
             print(f"\nring / engine over {args.rounds} rounds: {', '.join(f'{a:.3f}' for a, _ in ratios)}")
-            print(f"median {raw[len(raw) // 2]:.3f}" + (f", adjusted median {adj[len(adj) // 2]:.3f}" if adj else ""))
+            print(
+                f"median {statistics.median(a for a, _ in ratios):.3f}"
+                + (f", adjusted median {statistics.median(adj):.3f}" if adj else "")
+            )
         return
     tree = worktree(args.baseline_rev, work_dir)
     base_path = os.pathsep.join(str(p) for p in sorted((tree / "services").iterdir()) if p.is_dir())
@@ -401,6 +404,7 @@ def main() -> None:
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     print(f"\nnow / base ({args.baseline_rev}), medians over {args.rounds} round(s):")
+    # the run at the middle by throughput (of an even count, the upper of the two middle ones)
     med = {k: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for k, v in runs.items()}
     print(f"{'output tok/s':16s} {med['now']['tok_s'] / med['base']['tok_s']:6.3f}")
     for name in (*SERVICES, "client"):

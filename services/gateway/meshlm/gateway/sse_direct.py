@@ -29,11 +29,11 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Bound = Callable[[Awaitable[None]], Awaitable[None]]
 
 SERVER_SEND = "meshlm.server_send"
 """ASGI scope key: the server's own `send`, set by the app before any middleware sees the request
 (app.GatewayApp)."""
-Bound = Callable[[Awaitable[None]], Awaitable[None]]
 
 
 async def _finish(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
